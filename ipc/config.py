@@ -1,0 +1,71 @@
+"""One ServeConfig for the whole group: parsed once by the supervisor, handed to every child.
+
+It is a frozen dataclass so it pickles into `spawn`ed children unchanged and nobody edits it on the way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    # Where and what to serve.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    served_model_name: str | None = None
+    api_server_count: int = 1
+    data_parallel_size: int = 1
+    log_level: str = "info"
+
+    # Engine core.
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes, CPU only; None: a share of free memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    enforce_eager: bool = False
+    seed: int = 0
+    engine_ready_timeout: float = 600.0
+
+    # API servers.
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_request_id_headers: bool = False
+    disable_docs: bool = False
+    sse_keep_alive_interval: float | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+
+    # Supervisor.
+    shutdown_timeout: float = 30.0
+    heartbeat_timeout: float = 10.0
+    accept_backoff_ms: float = 5.0
+
+    # Filled in by the supervisor at start-up, not by the user.
+    runtime_dir: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def replace(self, **changes) -> "ServeConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must send in `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return EMBEDDED_MODEL_NAME
+        return self.model.rstrip("/")
+
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"

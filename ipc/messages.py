@@ -1,0 +1,128 @@
+"""The typed records that travel between API servers and engine cores.
+
+Towards the engine: ADD (EngineRequest), ABORT (AbortRequests), UTILITY (UtilityCall).
+Back from the engine: OUTPUTS (EngineOutputs, one per engine step and API server), UTILITY_RESULT,
+ENGINE_DEAD. The engine works in token ids only; text lives in the API servers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc.sampling import SamplingParams
+
+
+class Kind:
+    """First frame of every message: one byte that says which record the second frame holds."""
+
+    ADD = b"A"
+    ABORT = b"X"
+    UTILITY = b"U"
+    OUTPUTS = b"O"
+    UTILITY_RESULT = b"R"
+    ENGINE_DEAD = b"D"
+
+
+class FinishReason:
+    STOP = "stop"  # EOS or a stop token id (stop_reason says which id)
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineRequest":
+        d["sampling"] = SamplingParams(**d["sampling"])
+        return cls(**d)
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AbortRequests":
+        return cls(**d)
+
+
+@dataclass
+class UtilityCall:
+    """A named method of the engine core (`ping`, `stats`, `reset_prefix_cache`) called by an API server."""
+
+    call_id: int
+    method: str
+    args: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UtilityCall":
+        return cls(**d)
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: object = None
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UtilityResult":
+        return cls(**d)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sequence (choice `index` of request `request_id`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    index: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if one did
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # One entry per new token: [sampled token's logprob, [[token_id, logprob], ...top]]
+    logprobs: list | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineOutputs:
+    outputs: list[RequestOutput]
+    # The engine's load after this step, so API servers can report and balance.
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineOutputs":
+        d["outputs"] = [RequestOutput(**o) for o in d["outputs"]]
+        return cls(**d)
+
+
+@dataclass
+class EngineDead:
+    reason: str
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineDead":
+        return cls(**d)
+
+
+RECORD_OF_KIND = {
+    Kind.ADD: EngineRequest,
+    Kind.ABORT: AbortRequests,
+    Kind.UTILITY: UtilityCall,
+    Kind.OUTPUTS: EngineOutputs,
+    Kind.UTILITY_RESULT: UtilityResult,
+    Kind.ENGINE_DEAD: EngineDead,
+}
+KIND_OF_RECORD = {record: kind for kind, record in RECORD_OF_KIND.items()}

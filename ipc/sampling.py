@@ -1,0 +1,26 @@
+"""Per-request sampling parameters, as the API server sends them and the engine's sampler reads them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
