@@ -49,7 +49,11 @@ class ServeConfig:
     # Supervisor.
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 10.0
+    api_server_ready_timeout: float = 120.0
     accept_backoff_ms: float = 5.0
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    on_engine_failure: str = "exit"  # exit | restart
 
     # Filled in by the supervisor at start-up, not by the user.
     runtime_dir: str = ""

@@ -12,7 +12,7 @@ from multiprocessing import shared_memory
 
 MAX_SLOTS = 128
 _SLOT = struct.Struct("<qqdqq")  # open_connections, in_flight, heartbeat, pid, generation
-_GLOBAL = struct.Struct("<qq")  # admitted requests, admitted prompt tokens
+_GLOBAL = struct.Struct("<qqqq")  # admitted requests, admitted prompt tokens, dead engine rank + 1, spare
 _GLOBAL_OFFSET = MAX_SLOTS * _SLOT.size
 SIZE = _GLOBAL_OFFSET + _GLOBAL.size
 
@@ -106,3 +106,13 @@ class GroupState:
         base = _GLOBAL_OFFSET // 8
         self._ints[base] += requests
         self._ints[base + 1] += tokens
+
+    # Set by the supervisor when it sees an engine core die without a word (kill -9, OOM): the API servers
+    # then answer 503 at once instead of waiting on an engine that will never reply.
+    def dead_engine(self) -> int | None:
+        """The rank of an engine core that died, or None while all live."""
+        value = self._ints[_GLOBAL_OFFSET // 8 + 2]
+        return value - 1 if value else None
+
+    def mark_engine_dead(self, rank: int) -> None:
+        self._ints[_GLOBAL_OFFSET // 8 + 2] = rank + 1

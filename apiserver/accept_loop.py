@@ -1,0 +1,144 @@
+"""Balanced accepts on the group's shared listening socket, around uvicorn's own HTTP protocol classes.
+
+Every API server watches the same listening socket. The kernel wakes them all; whoever calls accept()
+first gets the connection. Left alone, the server whose loop happens to be idlest at that instant wins,
+which piles long-lived keep-alive connections onto a few servers. So before it accepts, a server that holds
+more open connections than the least busy live server waits a little (--accept-backoff-ms, default 5 ms):
+a less busy server takes the connection meanwhile, or, once the wait is over, this one does. The counts
+live in the group's shared memory, one slot per server, each written only by its owner.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import uvicorn
+
+from ipc.shared_state import GroupState
+
+log = logging.getLogger(__name__)
+
+ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the balance is looked at again
+
+
+class BalancedAcceptor:
+    """Stands where uvicorn keeps its asyncio Server: close() stops accepting, wait_closed() returns at once."""
+
+    def __init__(self, listen_socket: socket.socket, protocol_factory, state: GroupState, slot: int,
+                 backoff_seconds: float):
+        self._sock = listen_socket
+        self._sock.setblocking(False)
+        self._factory = protocol_factory
+        self._state = state
+        self._slot = slot
+        self._backoff = backoff_seconds
+        self._loop = asyncio.get_running_loop()
+        self._open = 0
+        self._deferred_since: float | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
+    def _on_readable(self) -> None:
+        if self._should_defer():
+            # Stop listening for a moment, or the loop would spin on the still-readable socket.
+            self._loop.remove_reader(self._sock.fileno())
+            wait = self._backoff - (time.monotonic() - self._deferred_since)
+            self._retry = self._loop.call_later(max(wait, 0.0005), self._resume)
+            return
+        self._deferred_since = None
+        for _ in range(ACCEPTS_PER_WAKEUP):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return  # another server took it
+            except OSError as exc:  # EMFILE and friends: log, keep serving what we have
+                log.warning("accept failed: %s", exc)
+                return
+            self._adopt(conn)
+            if self._should_defer():
+                return
+
+    def _should_defer(self) -> bool:
+        if self._backoff <= 0 or self._open <= self._state.least_open_connections():
+            return False
+        now = time.monotonic()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        return now - self._deferred_since < self._backoff
+
+    def _resume(self) -> None:
+        self._retry = None
+        if not self._closed:
+            self._loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def _adopt(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE events must not wait for Nagle
+        self._count(+1)
+        protocol = self._factory()
+        lost = protocol.connection_lost
+
+        def connection_lost(exc, _lost=lost):
+            self._count(-1)
+            _lost(exc)
+
+        protocol.connection_lost = connection_lost  # the count must fall however the connection ends
+        self._loop.create_task(self._connect(conn, protocol))
+
+    async def _connect(self, conn: socket.socket, protocol) -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
+        except OSError:
+            self._count(-1)
+            conn.close()
+
+    def _count(self, delta: int) -> None:
+        self._open += delta
+        self._state.set_open_connections(self._slot, self._open)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        self._loop.remove_reader(self._sock.fileno())
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+class BalancedServer(uvicorn.Server):
+    """uvicorn's Server with our accept loop in place of loop.create_server; everything else is uvicorn's:
+    its protocol classes, its lifespan, its graceful shutdown (which calls close() on what it keeps in
+    self.servers)."""
+
+    def __init__(self, config: uvicorn.Config, state: GroupState, slot: int, backoff_seconds: float):
+        super().__init__(config)
+        self._state = state
+        self._slot = slot
+        self._backoff = backoff_seconds
+        self.acceptor: BalancedAcceptor | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            raise SystemExit(3)
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        (listen_socket,) = sockets
+        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
+        self.servers = [self.acceptor]
+        self.started = True

@@ -1,0 +1,212 @@
+"""The API server's side of the IPC contract: one DEALER per engine core, one reader task per engine.
+
+Each request gets a RequestStream (a list plus a future, lighter than an asyncio.Queue) that the reader task
+fills with the request's RequestOutputs as they arrive, one batch per engine step. A request goes to the least
+loaded engine, counted as this server's requests in flight there plus what the engine last reported waiting.
+ENGINE_DEAD (or the supervisor marking an engine dead in shared memory) fails every waiting request at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from ipc import codec
+from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
+from ipc.sampling import SamplingParams
+from ipc.sockets import api_server_identity, connect_dealer
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(Exception):
+    """The engine core serving a request is gone."""
+
+
+class RequestAborted(Exception):
+    """This server stopped the request (client disconnect, a stop string, shutdown)."""
+
+
+class RequestStream:
+    """The outputs of one engine request, in arrival order, for one consumer."""
+
+    __slots__ = ("request_id", "engine", "num_sequences", "num_finished", "_items", "_waiter", "_error", "_loop")
+
+    def __init__(self, request_id: str, engine: int, num_sequences: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.engine = engine
+        self.num_sequences = num_sequences
+        self.num_finished = 0
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+        self._error: BaseException | None = None
+        self._loop = loop
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished >= self.num_sequences
+
+    def put(self, output) -> None:
+        self._items.append(output)
+        if output.finish_reason is not None:
+            self.num_finished += 1
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_batch(self, timeout: float | None = None) -> list:
+        """Every output that arrived since the last call; waits while there is none. [] after `timeout`."""
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._loop.create_future()
+            timer = self._loop.call_later(timeout, self._wake) if timeout is not None else None
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if timeout is not None and not self._items and self._error is None:
+                return []
+        items, self._items = self._items, []
+        return items
+
+
+class EngineClient:
+    def __init__(self, addresses: list[str], index: int, on_in_flight=None):
+        self._ctx = zmq.asyncio.Context()
+        identity = api_server_identity(index)
+        self._sockets = [connect_dealer(self._ctx, address, identity) for address in addresses]
+        self._streams: dict[str, RequestStream] = {}
+        self._in_flight = [0] * len(addresses)  # this server's requests at each engine
+        self._waiting = [0] * len(addresses)  # what each engine last reported waiting
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._readers: list[asyncio.Task] = []
+        self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
+        self.dead_reason: str | None = None
+
+    # Life cycle.
+    async def start(self, ping_timeout: float) -> None:
+        """Start the readers, then ping every engine: returns once all answered, raises TimeoutError if not."""
+        self._readers = [asyncio.create_task(self._read(i), name=f"engine-reader-{i}") for i in range(len(self._sockets))]
+        await asyncio.wait_for(
+            asyncio.gather(*(self.call_utility(i, "ping") for i in range(len(self._sockets)))), ping_timeout
+        )
+
+    async def close(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._sockets)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # Requests.
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, priority: int = 0) -> RequestStream:
+        """Send the request to the least loaded engine; the caller reads the stream and must call `release`."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        engine = self._least_loaded()
+        stream = RequestStream(request_id, engine, max(1, sampling.n), asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._in_flight[engine] += 1
+        self._send(engine, EngineRequest(request_id, prompt_token_ids, sampling, priority, time.time()))
+        self._in_flight_changed()
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """The consumer is done with `stream`: forget it, and abort it in the engine unless it finished there."""
+        if self._streams.pop(stream.request_id, None) is None:
+            return
+        self._in_flight[stream.engine] -= 1
+        if not stream.finished and self.dead_reason is None:
+            self._send(stream.engine, AbortRequests([stream.request_id]))
+        self._in_flight_changed()
+
+    async def call_utility(self, engine: int, method: str, *args, timeout: float | None = None):
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(engine, UtilityCall(call_id, method, list(args)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def mark_dead(self, reason: str) -> None:
+        """Every waiting request fails now, and every later one at once."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        log.error("engine core is dead: %s", reason)
+        error = EngineDeadError(reason)
+        for stream in self._streams.values():
+            stream.fail(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # Internals.
+    def _least_loaded(self) -> int:
+        if len(self._sockets) == 1:
+            return 0
+        loads = [self._in_flight[i] + self._waiting[i] for i in range(len(self._sockets))]
+        return loads.index(min(loads))
+
+    def _send(self, engine: int, record) -> None:
+        # SNDHWM is 0 (no limit), so the send completes at once; the returned future needs no await.
+        self._sockets[engine].send_multipart(codec.encode(record), copy=False)
+
+    def _in_flight_changed(self) -> None:
+        if self._on_in_flight is not None:
+            self._on_in_flight(len(self._streams))
+
+    async def _read(self, engine: int) -> None:
+        sock = self._sockets[engine]
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                record = codec.decode(frames)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.error("dropped a malformed message from engine %d: %s", engine, exc)
+                continue
+            if isinstance(record, EngineOutputs):
+                self._waiting[engine] = record.num_waiting
+                streams = self._streams
+                for output in record.outputs:
+                    stream = streams.get(output.request_id)
+                    if stream is not None:  # else: released (aborted) while this step ran
+                        stream.put(output)
+            elif isinstance(record, UtilityResult):
+                future = self._calls.get(record.call_id)
+                if future is not None and not future.done():
+                    if record.error is not None:
+                        future.set_exception(RuntimeError(record.error))
+                    else:
+                        future.set_result(record.result)
+            elif isinstance(record, EngineDead):
+                self.mark_dead(f"engine core DP{engine}: {record.reason}")

@@ -1,0 +1,105 @@
+"""Load the model the user asked for onto the device the engine runs on.
+
+`--device auto` means CUDA when present, else the CPU; `--dtype auto` means float32 on the CPU (bfloat16 matmuls
+are slow there and the model is small) and bfloat16 on CUDA.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.model_source import ModelNotFound, resolve_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class BadEngineSetting(Exception):
+    """A setting the user gave cannot work (unknown dtype, no CUDA, ...): reported as one line, exit code 2."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    model_dir: str
+    device: torch.device
+    dtype: torch.dtype
+    hf_config: object
+    generation_config: object | None
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadEngineSetting(f"--device {spec}: CUDA is not available on this machine")
+        device = torch.device(spec if ":" in spec else "cuda:0")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise BadEngineSetting(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s)")
+        return device
+    if spec == "cpu":
+        return torch.device("cpu")
+    raise BadEngineSetting(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+
+
+def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _DTYPES.get(spec.lower())
+    if dtype is None:
+        raise BadEngineSetting(f"--dtype {spec}: expected auto, float32, bfloat16 or float16")
+    return dtype
+
+
+def set_cpu_threads() -> None:
+    """The engine core is the only compute process of the group: give torch every core it may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores))
+
+
+def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: str = "auto",
+               attn_implementation: str = "sdpa") -> LoadedModel:
+    """Raises ModelNotFound (the user's --model) or BadEngineSetting (--device/--dtype)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    device = pick_device(device_spec)
+    dtype = pick_dtype(dtype_spec, device)
+    started = time.monotonic()
+    log.info("resolving model %s", model_spec or "(embedded SmolLM2-135M-Instruct)")
+    model_dir = resolve_model(model_spec)
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:
+        raise ModelNotFound(f"cannot read the model config in {model_dir}: {exc}") from exc
+    log.info("loading %s (%s) on %s as %s", model_dir, hf_config.model_type, device, str(dtype).removeprefix("torch."))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelNotFound(f"cannot load {model_dir} as a causal language model: {exc}") from exc
+    model.to(device).eval()
+    model.requires_grad_(False)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: the model has no sampling defaults
+        generation_config = None
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info("model loaded in %.1f s (%.0fM parameters)", time.monotonic() - started, num_params / 1e6)
+    return LoadedModel(model, model_dir, device, dtype, hf_config, generation_config)

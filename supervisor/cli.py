@@ -1,0 +1,90 @@
+"""The `supervise` command line: every option becomes one field of ServeConfig."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ipc.config import ServeConfig
+
+_DEFAULTS = ServeConfig()
+
+
+def _positive(ctx, param, value):
+    if value is not None and value <= 0:
+        raise click.BadParameter("must be greater than 0")
+    return value
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--host", default=_DEFAULTS.host, show_default=True, help="Address to listen on.")
+@click.option("--port", default=_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port to listen on (0: any free port, printed in the log).")
+@click.option("--model", default=None,
+              help="A local Hugging Face model directory, a .gguf file, or a hub id. "
+                   "Default: the embedded SmolLM2-135M-Instruct. `sim:<ms>` starts the simulated engine, "
+                   "a benchmark instrument that paces tokens without a model.")
+@click.option("--served-model-name", default=None,
+              help="The model name clients send and /v1/models lists. Default: derived from --model.")
+@click.option("--api-server-count", default=_DEFAULTS.api_server_count, show_default=True,
+              type=click.IntRange(1, 64), help="API server processes sharing the listening socket.")
+@click.option("--data-parallel-size", default=_DEFAULTS.data_parallel_size, show_default=True,
+              type=click.IntRange(1, 64), help="Engine cores, one per GPU (or one on the CPU).")
+@click.option("--max-model-len", default=None, type=int, callback=_positive,
+              help="Longest prompt + output in tokens. Default: the model's own limit.")
+@click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Weights and activations: auto is float32 on the CPU, bfloat16 on CUDA.")
+@click.option("--device", default=_DEFAULTS.device, show_default=True,
+              help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--max-num-seqs", default=_DEFAULTS.max_num_seqs, show_default=True, type=click.IntRange(1),
+              help="Most sequences in one engine step.")
+@click.option("--max-num-batched-tokens", default=_DEFAULTS.max_num_batched_tokens, show_default=True,
+              type=click.IntRange(1), help="Token budget of one engine step (long prompts go in chunks).")
+@click.option("--block-size", default=_DEFAULTS.block_size, show_default=True, type=click.IntRange(1),
+              help="Tokens per KV cache block.")
+@click.option("--kv-cache-memory", default=None, type=int, callback=_positive,
+              help="Bytes of KV cache on the CPU. Default: a share of free memory.")
+@click.option("--gpu-memory-utilization", default=_DEFAULTS.gpu_memory_utilization, show_default=True,
+              type=click.FloatRange(0.05, 1.0), help="Share of GPU memory for weights + KV cache.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Share the KV blocks of repeated prompt prefixes.")
+@click.option("--scheduling-policy", default=_DEFAULTS.scheduling_policy, show_default=True,
+              type=click.Choice(["fcfs", "priority"]), help="Order of waiting requests.")
+@click.option("--enforce-eager", is_flag=True, help="CUDA: no CUDA graphs.")
+@click.option("--seed", default=_DEFAULTS.seed, show_default=True, type=int, help="Engine random seed.")
+@click.option("--engine-ready-timeout", default=_DEFAULTS.engine_ready_timeout, show_default=True,
+              type=click.FloatRange(1), help="Seconds the engine cores may take to load the model.")
+@click.option("--shutdown-timeout", default=_DEFAULTS.shutdown_timeout, show_default=True,
+              type=click.FloatRange(0), help="Seconds in-flight requests may take to finish on SIGTERM.")
+@click.option("--heartbeat-timeout", default=_DEFAULTS.heartbeat_timeout, show_default=True,
+              type=click.FloatRange(0.5), help="An API server silent this long is killed and replaced.")
+@click.option("--max-restarts", default=_DEFAULTS.max_restarts, show_default=True, type=click.IntRange(0),
+              help="API server restarts allowed within --restart-window before the group goes down.")
+@click.option("--restart-window", default=_DEFAULTS.restart_window, show_default=True,
+              type=click.FloatRange(1), help="Seconds over which --max-restarts counts.")
+@click.option("--on-engine-failure", default=_DEFAULTS.on_engine_failure, show_default=True,
+              type=click.Choice(["exit", "restart"]),
+              help="exit: the group goes down (systemd restarts it); restart: restart the group in place.")
+@click.option("--accept-backoff-ms", default=_DEFAULTS.accept_backoff_ms, show_default=True,
+              type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
+@click.option("--log-level", default=_DEFAULTS.log_level, show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def main(**options) -> None:
+    """Serve an OpenAI-compatible API for a language model from a supervised group of processes.
+
+    \b
+    Example:  supervise --api-server-count 4 --port 8000
+    Then:     curl http://127.0.0.1:8000/v1/models
+    """
+    from supervisor.serve import serve  # after parsing: `--help` stays instant
+
+    sys.exit(serve(build_config(options)))
+
+
+def build_config(options: dict) -> ServeConfig:
+    return ServeConfig(**options)
+
+
+if __name__ == "__main__":
+    main()

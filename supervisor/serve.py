@@ -1,0 +1,87 @@
+"""`supervise` from parsed config to exit code: socket first, then the group, then the watchdog."""
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+
+from setproctitle import setproctitle
+
+from ipc.config import ServeConfig
+from ipc.logs import setup_logging
+from supervisor.group import ProcessGroup
+from supervisor.listen_socket import PortInUse, bound_address, open_listen_socket
+from supervisor.signals import SignalInbox
+from supervisor.startup import StartupFailed, StopRequested
+from supervisor.systemd import SystemdNotifier
+from supervisor.watchdog import Outcome, Watchdog
+
+log = logging.getLogger("supervisor")
+
+
+def serve(config: ServeConfig) -> int:
+    setproctitle("supervise: supervisor")
+    setup_logging("supervisor", config.log_level)
+    notifier = SystemdNotifier()
+    try:
+        listen_socket = open_listen_socket(config.host, config.port)
+    except PortInUse as exc:
+        print(f"supervise: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    host, port = bound_address(listen_socket)
+    inbox = SignalInbox()  # before any child exists, so a SIGTERM during the model load is heard
+    runtime_dir = tempfile.mkdtemp(prefix="supervise-")
+    config = config.replace(runtime_dir=runtime_dir, port=port)
+    try:
+        while True:
+            outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port)
+            if outcome is not Outcome.RESTART_GROUP:
+                return outcome
+            log.warning("restarting the group in place; the port stays open")
+    finally:
+        listen_socket.close()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int | Outcome:
+    group = ProcessGroup(config, listen_socket, inbox, notifier)
+    try:
+        try:
+            group.start()
+        except StartupFailed as exc:
+            if exc.exit_code == 2:
+                print(f"supervise: error: {exc}", file=sys.stderr)
+            else:
+                log.error("%s", exc)
+            notifier.stopping()
+            return exc.exit_code
+        except StopRequested:
+            log.info("stop requested while starting")
+            notifier.stopping()
+            group.kill_all()
+            return 0
+        url_host = f"[{host}]" if ":" in host else host
+        summary = (
+            f"serving {config.model_name} on http://{url_host}:{port} with {config.api_server_count} API "
+            f"server(s) and {config.data_parallel_size} engine core(s)"
+        )
+        log.info("%s", summary)
+        notifier.ready(summary)
+        outcome = Watchdog(group, inbox, notifier).run()
+        if outcome is Outcome.RESTART_GROUP:
+            group.stop(drain_timeout=2.0)
+            return outcome
+        notifier.stopping()
+        if outcome is Outcome.STOP:
+            graceful = group.stop(config.shutdown_timeout)
+            log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
+            return 0
+        group.stop(drain_timeout=5.0)
+        return 1
+    finally:
+        group.kill_all()
+        group.close()

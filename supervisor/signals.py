@@ -1,0 +1,52 @@
+"""Signals as events: handlers only note the signal and wake the watchdog through a self-pipe, so every
+decision is taken in the watchdog loop, never inside a signal handler."""
+from __future__ import annotations
+
+import os
+import signal
+from collections import deque
+
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class SignalInbox:
+    def __init__(self) -> None:
+        self._pending: deque[int] = deque()
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for signum in HANDLED:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self._pending.append(signum)
+
+    def fileno(self) -> int:
+        """Readable when a signal arrived: put it in the watchdog's wait list."""
+        return self._read_fd
+
+    def take(self) -> list[int]:
+        try:
+            while os.read(self._read_fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+        taken = list(self._pending)
+        self._pending.clear()
+        return taken
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a child ended, for the log line that says why."""
+    if exitcode is None:
+        return "still running"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    signum = -exitcode
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == signal.SIGKILL:
+        return f"killed by {name} (perhaps out of memory)"
+    return f"killed by {name}"

@@ -1,0 +1,103 @@
+"""Start the real `supervise` command on a free loopback port and drive it as an operator would."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+
+SUPERVISE = os.path.join(os.path.dirname(sys.executable), "supervise")
+_URL_LINE = re.compile(r"serving .* on (http://\S+) with")
+
+
+class Supervise:
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="supervise-", suffix=".log", delete=False)
+        self.args = [SUPERVISE, "--host", "127.0.0.1", "--port", str(port), *args]
+        self.proc = subprocess.Popen(
+            self.args, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdin=subprocess.DEVNULL,
+        )
+        self.url: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    def wait_serving(self, timeout: float = 180.0) -> "Supervise":
+        """Until the supervisor logged its URL and /health answers 200."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"supervise exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if self.url is None:
+                match = _URL_LINE.search(self.log())
+                if match:
+                    self.url = match.group(1)
+            if self.url is not None:
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"supervise not serving after {timeout} s:\n{self.log()[-4000:]}")
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def child_titled(self, title: str) -> psutil.Process:
+        for child in self.children():
+            try:
+                if " ".join(child.cmdline()) == f"supervise: {title}":
+                    return child
+            except psutil.NoSuchProcess:
+                pass
+        raise LookupError(f"no child titled {title!r} among {[c.pid for c in self.children()]}")
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> int | None:
+        """SIGTERM, then make sure nothing of the group is left, whatever happened in the test."""
+        descendants = self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.log_file.close()
+        return self.proc.returncode
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes still alive after `timeout` seconds."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

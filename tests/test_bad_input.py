@@ -1,0 +1,59 @@
+"""Bad requests through raw HTTP: the OpenAI error body, 400/404, never a 500 or a traceback."""
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        yield client
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    assert body["error"]["message"]
+    assert "Traceback" not in response.text
+    return body["error"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_json(http, path):
+    response = http.post(path, content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(response, 400)
+
+
+def test_wrong_types(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    response = http.post("/v1/chat/completions", json={"model": model, "messages": "hello", "max_tokens": "ten"})
+    assert_openai_error(response, 400)
+
+
+def test_missing_model_field(http):
+    response = http.post("/v1/completions", json={"prompt": "hi"})
+    assert_openai_error(response, 400)
+
+
+def test_unknown_model(http):
+    response = http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+    error = assert_openai_error(response, 404)
+    assert "nope" in error["message"]
+
+
+def test_negative_max_tokens(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    response = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": -1})
+    assert_openai_error(response, 400)
+
+
+def test_prompt_longer_than_the_model_allows(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    response = http.post("/v1/completions", json={"model": model, "prompt": "word " * 20000, "max_tokens": 5})
+    assert_openai_error(response, 400)
+
+
+def test_json_array_body(http):
+    response = http.post("/v1/chat/completions", json=[1, 2, 3])
+    assert_openai_error(response, 400)

@@ -1,0 +1,67 @@
+"""What an operator sees when `supervise` cannot start: one clear line and a meaningful exit code."""
+import socket
+import subprocess
+
+from tests.supervise_process import SUPERVISE
+
+
+def run_supervise(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([SUPERVISE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_port_taken_by_another_process_is_refused_at_once():
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        result = run_supervise("--port", str(port), "--model", "sim:5", timeout=30)
+    finally:
+        other.close()
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port} is already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_port_taken_by_a_reuseport_socket_is_refused_too():
+    # A stranger that also set SO_REUSEPORT would silently share the port with a plain bind.
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        result = run_supervise("--port", str(port), "--model", "sim:5", timeout=30)
+    finally:
+        other.close()
+    assert result.returncode == 1
+    assert "already in use" in result.stderr
+
+
+def test_missing_model_is_one_line_and_exit_code_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = run_supervise("--port", "0", "--model", str(missing))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
+    assert len(errors) == 1 and str(missing) in errors[0]
+
+
+def test_directory_that_is_not_a_model_is_refused(tmp_path):
+    result = run_supervise("--port", "0", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "config.json" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_option_values_are_refused_before_anything_starts():
+    result = run_supervise("--api-server-count", "0", timeout=30)
+    assert result.returncode == 2
+    assert "--api-server-count" in result.stderr
+
+
+def test_help_explains_the_options():
+    result = run_supervise("--help", timeout=30)
+    assert result.returncode == 0
+    for option in ("--api-server-count", "--model", "--max-model-len", "--dtype", "--device", "--shutdown-timeout"):
+        assert option in result.stdout
