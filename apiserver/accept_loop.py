@@ -21,6 +21,9 @@ from ipc.shared_state import GroupState
 log = logging.getLogger(__name__)
 
 ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the balance is looked at again
+# While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
+# closed) before the server closes it: closing an idle connection races with a client sending on it.
+IDLE_CONNECTION_GRACE = 1.0
 
 
 class BalancedAcceptor:
@@ -142,3 +145,15 @@ class BalancedServer(uvicorn.Server):
         self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
         self.servers = [self.acceptor]
         self.started = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain without failing a client: stop accepting, answer every further request on an open
+        connection with `Connection: close`, give idle connections a moment to use that, then let uvicorn
+        close the rest and wait for the requests in flight."""
+        if self.acceptor is not None:
+            self.acceptor.close()
+        self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
+        deadline = time.monotonic() + IDLE_CONNECTION_GRACE
+        while self.server_state.connections and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)

@@ -65,11 +65,8 @@ class Supervise:
 
     def child_titled(self, title: str) -> psutil.Process:
         for child in self.children():
-            try:
-                if " ".join(child.cmdline()) == f"supervise: {title}":
-                    return child
-            except psutil.NoSuchProcess:
-                pass
+            if title_of(child) == f"supervise: {title}":
+                return child
         raise LookupError(f"no child titled {title!r} among {[c.pid for c in self.children()]}")
 
     def signal(self, signum: int) -> None:
@@ -95,6 +92,14 @@ class Supervise:
                 pass
         self.log_file.close()
         return self.proc.returncode
+
+
+def title_of(process: psutil.Process) -> str:
+    """The process title as `ps` shows it (setproctitle pads the command line with spaces)."""
+    try:
+        return " ".join(process.cmdline()).strip()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -1,0 +1,114 @@
+"""What operators do to a live group: reload, scale, socket activation, engine restarts in place."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+
+from tests.load import BackgroundLoad
+from tests.supervise_process import SUPERVISE, title_of, wait_gone
+
+SIM = ("--model", "sim:10")
+
+
+def model_of(server) -> str:
+    return httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
+
+
+def api_server_pids(server) -> set[int]:
+    return {c.pid for c in server.children() if "ApiServer_" in title_of(c)}
+
+
+def wait_until(predicate, timeout: float, what: str, server=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + (server.log()[-3000:] if server else "")
+        time.sleep(0.1)
+
+
+def test_sighup_rolls_every_api_server_without_a_failed_request(start_supervise):
+    server = start_supervise(*SIM, "--api-server-count", "2")
+    before = api_server_pids(server)
+    with BackgroundLoad(server.url, model_of(server), clients=4, max_tokens=30) as load:
+        load.wait_for(8)
+        server.signal(signal.SIGHUP)
+        wait_until(lambda: "rolling restart done" in server.log(), 60, "the rolling restart", server)
+        wait_until(lambda: not (api_server_pids(server) & before), 30, "the old servers to exit", server)
+        done_at_restart = load.ok
+        load.wait_for(done_at_restart + 8)
+    assert load.failures == []
+    assert load.ok > done_at_restart
+    after = api_server_pids(server)
+    assert len(after) == 2 and not (after & before)
+
+
+def test_sigttin_adds_and_sigttou_removes_an_api_server(start_supervise):
+    server = start_supervise(*SIM, "--api-server-count", "2")
+    server.signal(signal.SIGTTIN)
+    wait_until(lambda: len(api_server_pids(server)) == 3 and "ApiServer_2 ready" in server.log(), 30,
+               "a third server", server)
+    server.signal(signal.SIGTTOU)
+    wait_until(lambda: len(api_server_pids(server)) == 2, 30, "back to two servers", server)
+    assert "drained and stopped" in server.log()
+    assert httpx.post(f"{server.base_url}/completions",
+                      json={"model": model_of(server), "prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_every_log_line_names_its_process(start_supervise):
+    server = start_supervise(*SIM, "--api-server-count", "2")
+    server.signal(signal.SIGTERM)
+    server.wait_exit(30)
+    tagged = re.compile(r"\[(supervisor|ApiServer_\d+|EngineCore_DP\d+)\]")
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    assert {m.group(1) for line in lines if (m := tagged.search(line))} >= {
+        "supervisor", "ApiServer_0", "ApiServer_1", "EngineCore_DP0"
+    }
+    untagged = [line for line in lines if not tagged.search(line)]
+    assert untagged == []
+
+
+def test_engine_failure_restart_keeps_the_port_and_serves_again(start_supervise):
+    server = start_supervise(*SIM, "--on-engine-failure", "restart")
+    model = model_of(server)
+    engine = server.child_titled("EngineCore_DP0")
+    engine.kill()
+    wait_until(lambda: server.log().count("serving ") >= 2, 60, "the group to serve again", server)
+    assert server.proc.poll() is None
+    r = httpx.post(f"{server.base_url}/completions", json={"model": model, "prompt": "a", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    assert server.child_titled("EngineCore_DP0").pid != engine.pid
+
+
+def test_socket_activation_adopts_the_passed_socket(tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    fd = listener.fileno()
+    log = open(tmp_path / "log", "w+")
+    # systemd's protocol: the socket is fd 3, LISTEN_FDS counts, LISTEN_PID names the process meant.
+    proc = subprocess.Popen(
+        ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@"', SUPERVISE, *SIM, "--port", "1"],
+        preexec_fn=lambda: os.dup2(fd, 3), close_fds=False, stdout=log, stderr=subprocess.STDOUT,
+    )
+    listener.close()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()[-3000:]
+            time.sleep(0.2)
+        children = [c for c in __import__("psutil").Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert wait_gone(children, 5) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
