@@ -32,28 +32,22 @@ class RequestAborted(Exception):
 
 
 class RequestStream:
-    """The outputs of one engine request, in arrival order, for one consumer."""
+    """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer."""
 
-    __slots__ = ("request_id", "engine", "num_sequences", "num_finished", "_items", "_waiter", "_error", "_loop")
+    __slots__ = ("engines", "unfinished", "_items", "_waiter", "_error", "_loop")
 
-    def __init__(self, request_id: str, engine: int, num_sequences: int, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.engine = engine
-        self.num_sequences = num_sequences
-        self.num_finished = 0
+    def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop):
+        self.engines = engines  # engine request id -> the engine that runs it
+        self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
         self._loop = loop
 
-    @property
-    def finished(self) -> bool:
-        return self.num_finished >= self.num_sequences
-
     def put(self, output) -> None:
         self._items.append(output)
         if output.finish_reason is not None:
-            self.num_finished += 1
+            self.unfinished[output.request_id] -= 1
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -119,30 +113,42 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
+        """Engine requests of this server in flight (one per prompt of each API request)."""
         return len(self._streams)
 
     # Requests.
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, priority: int = 0) -> RequestStream:
-        """Send the request to the least loaded engine; the caller reads the stream and must call `release`."""
+    def generate(self, requests: list[tuple[str, list[int]]], sampling: SamplingParams, priority: int = 0) -> RequestStream:
+        """Send each (engine request id, prompt token ids) to the least loaded engine; the caller reads the
+        returned stream and must call `release` when done with it."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        engine = self._least_loaded()
-        stream = RequestStream(request_id, engine, max(1, sampling.n), asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        self._in_flight[engine] += 1
-        self._send(engine, EngineRequest(request_id, prompt_token_ids, sampling, priority, time.time()))
+        for request_id, _ in requests:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+        engines = {}
+        for request_id, _ in requests:
+            engine = engines[request_id] = self._least_loaded()
+            self._in_flight[engine] += 1
+        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop())
+        now = time.time()
+        for request_id, prompt_token_ids in requests:
+            self._streams[request_id] = stream
+            self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority, now))
         self._in_flight_changed()
         return stream
 
     def release(self, stream: RequestStream) -> None:
-        """The consumer is done with `stream`: forget it, and abort it in the engine unless it finished there."""
-        if self._streams.pop(stream.request_id, None) is None:
-            return
-        self._in_flight[stream.engine] -= 1
-        if not stream.finished and self.dead_reason is None:
-            self._send(stream.engine, AbortRequests([stream.request_id]))
+        """The consumer is done with `stream`: forget it, and abort in the engine what did not finish there."""
+        aborts: dict[int, list[str]] = {}
+        for request_id, engine in stream.engines.items():
+            if self._streams.pop(request_id, None) is None:
+                continue
+            self._in_flight[engine] -= 1
+            if stream.unfinished[request_id] > 0:
+                aborts.setdefault(engine, []).append(request_id)
+        if self.dead_reason is None:
+            for engine, request_ids in aborts.items():
+                self._send(engine, AbortRequests(request_ids))
         self._in_flight_changed()
 
     async def call_utility(self, engine: int, method: str, *args, timeout: float | None = None):

@@ -12,3 +12,83 @@ CONTRACT (the supervisor relies on exactly this):
 - event loop beats GroupState.beat(index) every second;
 - SIGTERM/SIGINT: stop accepting, let in-flight requests finish up to config.shutdown_timeout, exit code 0.
 """
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from ipc.config import ServeConfig
+from ipc.lifeline import die_with_parent
+from ipc.logs import setup_logging
+from ipc.model_info import ModelInfo
+from ipc.shared_state import GroupState
+
+log = logging.getLogger("apiserver")
+
+ENGINE_PING_TIMEOUT = 60.0
+
+
+def run_api_server(
+    config: ServeConfig,
+    index: int,
+    listen_socket,
+    model: ModelInfo,
+    engine_addresses: list[str],
+    shared_state_name: str,
+    group_lock,
+    lifeline,
+    ready,
+) -> None:
+    from setproctitle import setproctitle
+
+    setproctitle(f"supervise: ApiServer_{index}")
+    setup_logging(f"ApiServer_{index}", config.log_level)
+    die_with_parent(lifeline)
+    from apiserver.server import StopSignals
+
+    stop = StopSignals()
+    group = GroupState.attach(shared_state_name)
+    group.claim(index, os.getpid())
+
+    import uvloop
+
+    from apiserver.renderer import Renderer, load_tokenizer
+
+    renderer = Renderer(load_tokenizer(model.model_dir))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop))
+    group.close()
+    log.info("stopped")
+
+
+async def _serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop) -> None:
+    from apiserver.admission import AdmissionControl
+    from apiserver.app import build_app
+    from apiserver.context import ServerContext
+    from apiserver.engine_client import EngineClient
+    from apiserver.metrics import Metrics
+    from apiserver.server import beat_forever, build_http_server
+
+    engine = EngineClient(engine_addresses, index, on_in_flight=lambda n: group.set_in_flight(index, n))
+    ctx = ServerContext(
+        config=config,
+        index=index,
+        model=model,
+        renderer=renderer,
+        engine=engine,
+        group=group,
+        admission=AdmissionControl(group, group_lock, config.max_num_queued_reqs, config.max_num_queued_tokens),
+        metrics=Metrics(config.runtime_dir, index),
+    )
+    heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")
+    try:
+        await engine.start(ENGINE_PING_TIMEOUT)
+        server = build_http_server(build_app(ctx), config, group, index)
+        ready.send(True)
+        if stop.received:
+            return
+        await server.serve(sockets=[listen_socket])
+    finally:
+        heartbeat.cancel()
+        await engine.close()

@@ -11,3 +11,95 @@ CONTRACT (the supervisor relies on exactly this):
 - serve until SIGTERM/SIGINT (exit code 0). If the loop raises: send ENGINE_DEAD to every API server it has heard
   from, log the traceback, exit code 1.
 """
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from ipc.config import ServeConfig
+from ipc.lifeline import die_with_parent
+from ipc.logs import setup_logging
+from ipc.model_info import EngineFailed, EngineReady
+from ipc.sockets import bind_router, engine_address
+
+log = logging.getLogger("enginecore")
+
+
+class ShutdownRequested(BaseException):
+    """SIGTERM or SIGINT: stop now, cleanly (a BaseException so no `except Exception` swallows it)."""
+
+
+def _on_signal(signum, frame):
+    raise ShutdownRequested(signal.Signals(signum).name)
+
+
+def run_engine_core(config: ServeConfig, rank: int, ready: Connection, lifeline: Connection) -> None:
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"supervise: EngineCore_DP{rank}")
+    except ImportError:
+        pass
+    setup_logging(f"EngineCore_DP{rank}", config.log_level)
+    # Before the model loads, so a stop asked for during a long load is prompt too.
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    die_with_parent(lifeline)
+    try:
+        _serve(config, rank, ready)
+    except ShutdownRequested as stop:
+        log.info("stopping (%s)", stop)
+        sys.exit(0)
+
+
+def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
+    import zmq
+
+    from enginecore.engine import EngineCore
+    from enginecore.loader import BadEngineSetting
+    from enginecore.model_source import ModelNotFound
+    from enginecore.serve_loop import EngineServer
+
+    config = _device_for_rank(config, rank)
+    try:
+        core = EngineCore(config)
+        ctx = zmq.Context()
+        router = bind_router(ctx, engine_address(config.runtime_dir, rank))
+    except (ModelNotFound, BadEngineSetting) as exc:
+        ready.send(EngineFailed(rank, str(exc), user_error=True))
+        sys.exit(2)
+    except Exception as exc:
+        log.error("engine start-up failed:\n%s", traceback.format_exc())
+        ready.send(EngineFailed(rank, f"{type(exc).__name__}: {exc}", user_error=False))
+        sys.exit(1)
+    ready.send(EngineReady(rank, core.model_info))
+    ready.close()
+    log.info("ready: %s on %s, %d KV blocks, serving at %s", config.model_name, core.device,
+             core.model_info.num_kv_blocks, engine_address(config.runtime_dir, rank))
+
+    server = EngineServer(core, router)
+    try:
+        server.serve_forever()
+    except Exception as exc:
+        log.error("engine loop failed:\n%s", traceback.format_exc())
+        server.announce_death(f"engine core {rank} failed: {type(exc).__name__}: {exc}")
+        router.setsockopt(zmq.LINGER, 2000)  # let ENGINE_DEAD leave before the socket closes
+        router.close()
+        ctx.term()
+        sys.exit(1)
+    finally:
+        if not router.closed:
+            router.close(linger=0)
+
+
+def _device_for_rank(config: ServeConfig, rank: int) -> ServeConfig:
+    """With data parallelism on CUDA, rank r takes GPU r (unless --device names one)."""
+    if config.data_parallel_size > 1 and config.device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return config.replace(device=f"cuda:{rank % torch.cuda.device_count()}")
+    return config

@@ -45,6 +45,10 @@ class ServeConfig:
     sse_keep_alive_interval: float | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    enable_prompt_tokens_details: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
+    middleware: tuple[str, ...] = ()  # "module:object" ASGI middleware, outermost first
 
     # Supervisor.
     shutdown_timeout: float = 30.0

@@ -1,0 +1,41 @@
+"""Everything a request handler needs from its API server process, in one place."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from apiserver.admission import AdmissionControl
+from apiserver.engine_client import EngineClient
+from apiserver.metrics import Metrics
+from apiserver.renderer import Renderer
+from ipc.config import ServeConfig
+from ipc.model_info import ModelInfo
+from ipc.shared_state import GroupState
+
+
+@dataclass
+class ServerContext:
+    config: ServeConfig
+    index: int
+    model: ModelInfo
+    renderer: Renderer
+    engine: EngineClient
+    group: GroupState | None
+    admission: AdmissionControl
+    metrics: Metrics
+    model_name: str = ""
+    openapi_routes: list = field(default_factory=list)  # (path, method, summary), for /openapi.json
+    server_load: int = 0  # generation requests in flight here, counted with --enable-server-load-tracking
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if not self.model_name:
+            self.model_name = self.config.model_name
+
+    def engine_dead_reason(self) -> str | None:
+        """Why the engine cannot serve, if it cannot: it said ENGINE_DEAD, or the supervisor saw it die."""
+        if self.engine.dead_reason is None and self.group is not None:
+            rank = self.group.dead_engine()
+            if rank is not None:
+                self.engine.mark_dead(f"engine core DP{rank} died")
+        return self.engine.dead_reason

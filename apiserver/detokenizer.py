@@ -1,0 +1,80 @@
+"""Incremental detokenization of one output sequence, with stop strings matched on the text.
+
+Token ids arrive a few at a time; text must come out as soon as it is certain. tokenizers' DecodeStream does
+the hard part in Rust: it holds back bytes until they form whole UTF-8 characters (a 4-byte emoji spread over
+three byte-level tokens), and decodes each token in the context of the ones before, so SentencePiece's `▁`
+and byte-level `Ġ` become the right spaces. Seeding it with the end of the prompt makes the first generated
+token decode as it would mid-text (SentencePiece would otherwise drop its leading space).
+
+Stop strings are matched here, on the text, because a stop string can span tokens. Text that might be the
+beginning of a stop string is held back until it is clear, so a stop string never leaks into the output.
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# How much of the prompt primes the decoder: enough for the context a token's decoding depends on.
+PROMPT_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_tokenizer", "_stream", "_stops", "_hold", "_include_stop", "text", "_sent", "stop_reason")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ):
+        self._tokenizer = tokenizer
+        context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if prompt_token_ids else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._stops = [s for s in stop or () if s]
+        # Characters at the end of the text that could still grow into a stop string.
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._include_stop = include_stop_str_in_output
+        self.text = ""
+        self._sent = 0
+        self.stop_reason: str | None = None  # the stop string that ended the text
+
+    def add_tokens(self, token_ids: list[int]) -> int:
+        """Decode `token_ids` onto the text; returns how many were used: fewer than all when a stop string
+        ended the text (then `stop_reason` is set and later tokens are to be ignored)."""
+        step = self._stream.step
+        tokenizer = self._tokenizer
+        for used, token_id in enumerate(token_ids, 1):
+            piece = step(tokenizer, token_id)
+            if piece:
+                start = len(self.text)
+                self.text += piece
+                if self._stops and self._find_stop(start):
+                    return used
+        return len(token_ids)
+
+    def _find_stop(self, new_text_start: int) -> bool:
+        text = self.text
+        found_at, found = -1, None
+        for stop in self._stops:
+            # A match may begin in the old text: it can only end in the new one.
+            at = text.find(stop, max(0, new_text_start - len(stop) + 1))
+            if at >= 0 and (found is None or at < found_at):
+                found_at, found = at, stop
+        if found is None:
+            return False
+        self.text = text[: found_at + len(found)] if self._include_stop else text[:found_at]
+        self.stop_reason = found
+        return True
+
+    def take_delta(self, final: bool = False) -> str:
+        """The text not handed out yet, minus what might still turn into a stop string unless `final`."""
+        end = len(self.text)
+        if not final and self._hold and self.stop_reason is None:
+            end = max(self._sent, end - self._hold)
+        if end <= self._sent:
+            return ""
+        delta = self.text[self._sent:end]
+        self._sent = end
+        return delta

@@ -1,0 +1,137 @@
+"""One API request's generation: its engine requests (one per prompt, each with n sequences) and the text,
+token count and finish of each OpenAI choice, updated batch by batch as the engine's outputs arrive.
+
+Both endpoints, streaming or not, consume a Generation the same way: `await next_changes()` until `done`,
+then `close()` (which aborts in the engine whatever is still running there).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+from apiserver.detokenizer import IncrementalDetokenizer
+from apiserver.engine_client import EngineClient, RequestAborted, RequestStream
+from ipc.messages import FinishReason
+from ipc.sampling import SamplingParams
+
+# Engine request ids must be unique in the engine even when clients reuse an X-Request-Id: a per-process
+# random prefix and a counter make them so, across API servers and restarts.
+_PROCESS_TAG = os.urandom(4).hex()
+_COUNTER = itertools.count()
+
+
+class Choice:
+    __slots__ = (
+        "index", "prompt_index", "detokenizer", "num_tokens", "finish_reason", "stop_reason",
+        "logprobs", "_changed",
+    )
+
+    def __init__(self, index: int, prompt_index: int, detokenizer: IncrementalDetokenizer, want_logprobs: bool):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.detokenizer = detokenizer
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Per token: (token id, [sampled logprob, [[id, logprob], ...]]), not yet handed out.
+        self.logprobs: list | None = [] if want_logprobs else None
+        self._changed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        priority: int,
+        stop: list[str],
+        skip_special_tokens: bool,
+        include_stop_str_in_output: bool,
+        tokenizer,
+    ):
+        self._engine = engine
+        self.prompts = prompts
+        self.sampling = sampling
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self.num_cached_tokens = 0
+        n = sampling.n
+        tag = f"{request_id}-{_PROCESS_TAG}{next(_COUNTER)}"
+        self._engine_ids = [tag] if len(prompts) == 1 else [f"{tag}-{i}" for i in range(len(prompts))]
+        self._first_choice = {rid: i * n for i, rid in enumerate(self._engine_ids)}
+        want_logprobs = sampling.logprobs is not None
+        self.choices = [
+            Choice(
+                i * n + j,
+                i,
+                IncrementalDetokenizer(tokenizer, prompt, stop, skip_special_tokens, include_stop_str_in_output),
+                want_logprobs,
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+        self._unfinished = len(self.choices)
+        self._priority = priority
+        self._stream: RequestStream | None = None
+        self.arrival = time.monotonic()
+        self.first_output_at: float | None = None
+
+    def start(self) -> None:
+        self._stream = self._engine.generate(list(zip(self._engine_ids, self.prompts)), self.sampling, self._priority)
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    async def next_changes(self, timeout: float | None = None) -> list[Choice]:
+        """The choices that changed with the next engine outputs ([] when `timeout` passed without any).
+        Raises EngineDeadError, or RequestAborted when the client went away."""
+        outputs = await self._stream.next_batch(timeout)
+        if self.first_output_at is None and outputs:
+            self.first_output_at = time.monotonic()
+        choices = self.choices
+        first = self._first_choice
+        changed = []
+        for out in outputs:
+            choice = choices[first[out.request_id] + out.index]
+            if choice.finish_reason is not None:
+                continue  # a stop string ended it here; the engine had not heard yet
+            new = out.new_token_ids
+            if out.num_cached_tokens and choice.num_tokens == 0 and choice.index % self.sampling.n == 0:
+                self.num_cached_tokens += out.num_cached_tokens
+            used = choice.detokenizer.add_tokens(new)
+            choice.num_tokens += used
+            if choice.logprobs is not None and out.logprobs:
+                choice.logprobs.extend(zip(new[:used], out.logprobs[:used]))
+            if choice.detokenizer.stop_reason is not None:
+                choice.finish_reason, choice.stop_reason = FinishReason.STOP, choice.detokenizer.stop_reason
+            elif out.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+            if choice.finish_reason is not None:
+                self._unfinished -= 1
+            if not choice._changed:
+                choice._changed = True
+                changed.append(choice)
+        for choice in changed:
+            choice._changed = False
+        return changed
+
+    def abort(self) -> None:
+        """The client went away: whoever waits on the next outputs gets RequestAborted."""
+        if self._stream is not None:
+            self._stream.fail(RequestAborted())
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._engine.release(self._stream)
+            self._stream = None

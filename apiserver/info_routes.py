@@ -1,0 +1,93 @@
+"""The routes that do not generate: model list, health, version, load, metrics, the API's description,
+and the development routes (only with SUPERVISE_DEV_MODE=1)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+
+from apiserver.context import ServerContext
+from apiserver.errors import EngineDead, error_response
+from apiserver.middleware import api_key_of
+from apiserver.openapi import DOCS_PAGE, openapi_schema, package_version
+
+UTILITY_TIMEOUT = 10.0
+
+
+def json_response(body, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status, media_type="application/json")
+
+
+class InfoRoutes:
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        self._openapi: bytes | None = None
+
+    async def models(self, request: Request) -> Response:
+        ctx = self.ctx
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "supervise",
+            "root": ctx.config.model or ctx.model_name,
+            "parent": None,
+            "max_model_len": ctx.model.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        reason = self.ctx.engine_dead_reason()
+        if reason is not None:
+            return error_response(EngineDead(f"The engine is not available: {reason}"))
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": package_version()})
+
+    async def load(self, request: Request) -> Response:
+        return json_response({"server_load": self.ctx.server_load})
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.ctx.metrics.exposition(self.ctx.group, self.ctx.model_name)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = orjson.dumps(openapi_schema(self.ctx.openapi_routes, bool(api_key_of(self.ctx.config))))
+        return Response(self._openapi, media_type="application/json")
+
+    async def docs(self, request: Request) -> Response:
+        return HTMLResponse(DOCS_PAGE)
+
+
+class DevRoutes:
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    async def server_info(self, request: Request) -> Response:
+        ctx = self.ctx
+        engine = ctx.engine
+        stats = await asyncio.gather(
+            *(engine.call_utility(i, "stats", timeout=UTILITY_TIMEOUT) for i in range(engine.num_engines)),
+            return_exceptions=True,
+        )
+        config = dataclasses.asdict(ctx.config)
+        config["api_key"] = "<set>" if config.get("api_key") else None
+        return json_response({
+            "api_server": {"index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight},
+            "config": config,
+            "model": dataclasses.asdict(ctx.model),
+            "engines": [s if not isinstance(s, BaseException) else {"error": str(s)} for s in stats],
+        })
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        engine = self.ctx.engine
+        await asyncio.gather(
+            *(engine.call_utility(i, "reset_prefix_cache", timeout=UTILITY_TIMEOUT) for i in range(engine.num_engines))
+        )
+        return Response(status_code=200)

@@ -1,0 +1,125 @@
+"""The HTTP middleware stack, outermost first: CORS, API key, X-Request-Id, then the user's own.
+
+The two of ours are bare ASGI callables (no BaseHTTPMiddleware): they run on every request, so they must
+cost next to nothing when they have nothing to do.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib
+import inspect
+import logging
+import os
+
+import orjson
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.cors import CORSMiddleware
+
+from apiserver.errors import Unauthorized, error_body
+from apiserver.serving import REQUEST_ID_SCOPE_KEY
+from ipc.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+# What stays reachable without the API key: probes, metrics, the version, and the API's own description.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json", "/docs"})
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route that reaches the model or its tokenizer. The keys are
+    compared as SHA-256 digests with hmac.compare_digest: constant time, whatever the lengths."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._denied = orjson.dumps(
+            error_body(Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"))
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self._authorized(scope["headers"]):
+            return await self.app(scope, receive, send)
+        await send({
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+        })
+        await send({"type": "http.response.body", "body": self._denied})
+
+    def _authorized(self, headers) -> bool:
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False
+                return hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)
+        return False
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the client's or a new one, and the
+    generation endpoints use the same id for the response `id`."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")
+                break
+        if not request_id:
+            request_id = os.urandom(16).hex()
+        scope[REQUEST_ID_SCOPE_KEY] = request_id
+        header = (b"x-request-id", request_id.encode("latin-1"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def user_middleware(spec: str) -> Middleware:
+    """`module:object`: a class is used as ASGI middleware, a function as `async def f(request, call_next)`
+    (what vLLM's --middleware takes)."""
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise ValueError(f"--middleware {spec!r}: expected module:object")
+    obj = getattr(importlib.import_module(module_name), attribute)
+    if inspect.isclass(obj):
+        return Middleware(obj)
+    if callable(obj):
+        return Middleware(BaseHTTPMiddleware, dispatch=obj)
+    raise ValueError(f"--middleware {spec!r} is neither a class nor a function")
+
+
+def api_key_of(config: ServeConfig) -> str | None:
+    return config.api_key or os.environ.get("SUPERVISE_API_KEY") or None
+
+
+def middleware_stack(config: ServeConfig) -> list[Middleware]:
+    stack = []
+    if config.allowed_origins:
+        stack.append(Middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        ))
+    api_key = api_key_of(config)
+    if api_key:
+        stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    if config.enable_request_id_headers:
+        stack.append(Middleware(RequestIdMiddleware))
+    stack += [user_middleware(spec) for spec in config.middleware]
+    return stack

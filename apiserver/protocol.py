@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI API as pydantic models: what a request may hold, validated in one pass.
+
+Only requests are models: responses are plain dicts (and stream chunks plain bytes) built straight from engine
+outputs, because constructing pydantic objects per response or per token costs more than the rest of the path.
+
+Unknown fields are refused with a 400 that names them (extra="forbid"). OpenAI fields that a text model here
+cannot honour (tools, logit_bias, ...) are declared with type None: clients that send them as null, as some
+SDKs do, pass; any real value is refused with a message that names the field.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+# OpenAI fields accepted only as null: a value asks for something this server does not do.
+UNSUPPORTED_FIELDS = (
+    "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of", "metadata",
+    "service_tier",
+)
+
+
+# A JSON number (an int is fine too), never a string or a bool.
+StrictNumber = Annotated[float, Field(strict=True)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: StrictStr | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields both generation endpoints share: OpenAI's, then the engine's extras (vLLM's names)."""
+
+    model: StrictStr
+    n: StrictInt = Field(1, ge=1, le=128)
+    seed: StrictInt | None = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    temperature: StrictNumber | None = Field(None, ge=0.0, le=100.0)
+    top_p: StrictNumber | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
+    user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+    store: Literal[False] | None = None
+
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictNumber | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: StrictNumber | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    priority: StrictInt = 0
+    request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+
+    logit_bias: None = None
+    tools: None = None
+    tool_choice: None = None
+    functions: None = None
+    function_call: None = None
+    parallel_tool_calls: None = None
+    audio: None = None
+    modalities: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    web_search_options: None = None
+    metadata: None = None
+    service_tier: None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: None = None
+    best_of: None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: list[Annotated[int, Field(strict=True, ge=0)]]

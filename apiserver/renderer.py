@@ -1,0 +1,130 @@
+"""From a request to prompt token ids: the model's chat template, then the tokenizer.
+
+The tokenizer is loaded with PreTrainedTokenizerFast, which does not import torch (AutoTokenizer does). The
+hot paths (encode, decode, detokenize) use its Rust `tokenizers.Tokenizer` directly, skipping the Python layer.
+"""
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+
+import jinja2
+
+from apiserver.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+# Arguments of apply_chat_template that chat_template_kwargs must not override.
+_RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+# Bounded in entries and in piece length, so a stream of huge unique prompts cannot grow the RSS.
+_SEGMENT_CACHE_SIZE = 512
+_SEGMENT_MAX_CHARS = 8192
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+
+
+class Renderer:
+    def __init__(self, tokenizer):
+        self.hf_tokenizer = tokenizer
+        self.tokenizer = tokenizer.backend_tokenizer  # tokenizers.Tokenizer: Rust, no Python per-token work
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._segments = _SegmentCache(self.tokenizer)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """The prompt's token ids for `messages`, as the model's chat template writes them."""
+        return self._segments.encode(self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs))
+
+    def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequest("This model has no chat template: use /v1/completions.")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true.", param="continue_final_message"
+            )
+        kwargs = chat_template_kwargs or {}
+        reserved = _RESERVED_TEMPLATE_ARGS.intersection(kwargs)
+        if reserved:
+            name = sorted(reserved)[0]
+            raise InvalidRequest(f"`chat_template_kwargs` may not set `{name}`.", param="chat_template_kwargs")
+        try:
+            return self.hf_tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            # The template refused the conversation (roles out of order, an empty final message, ...).
+            raise InvalidRequest(f"The chat template cannot render these messages: {exc}", param="messages") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens:
+            return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self._segments.encode(text)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class _SegmentCache:
+    """Encodes text without special tokens added, caching the pieces between added tokens.
+
+    The tokenizer itself first splits text at its added tokens (`<|im_start|>`...) and encodes the pieces in
+    between independently, so the same split here gives the same ids, and the pieces that repeat in every
+    chat prompt (the default system prompt, role names) are tokenized once. Used only when every added token
+    is matched literally (no lstrip/rstrip/single_word/normalized rules), where the split is exact.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        added = tokenizer.get_added_tokens_decoder()
+        self._literal = all(
+            not (t.lstrip or t.rstrip or t.single_word or (t.normalized and not t.special)) for t in added.values()
+        )
+        self._added_ids = {t.content: i for i, t in added.items()}
+        self._pattern = None
+        if self._literal and self._added_ids:
+            import re
+
+            alternatives = sorted(self._added_ids, key=len, reverse=True)
+            self._pattern = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+        self._cache: OrderedDict[str, array] = OrderedDict()
+
+    def encode(self, text: str) -> list[int]:
+        if self._pattern is None:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        added_ids = self._added_ids
+        cache = self._cache
+        for i, piece in enumerate(self._pattern.split(text)):
+            if i % 2:  # odd pieces are the added tokens the split matched
+                ids.append(added_ids[piece])
+            elif piece:
+                cached = cache.get(piece)
+                if cached is not None:
+                    cache.move_to_end(piece)
+                    ids.extend(cached)
+                    continue
+                piece_ids = self._tokenizer.encode(piece, add_special_tokens=False).ids
+                ids.extend(piece_ids)
+                if len(piece) <= _SEGMENT_MAX_CHARS:
+                    cache[piece] = array("l", piece_ids)
+                    if len(cache) > _SEGMENT_CACHE_SIZE:
+                        cache.popitem(last=False)
+        return ids

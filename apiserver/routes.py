@@ -1,0 +1,96 @@
+"""The route table: each path to its handler. Generation goes to the serving objects (one per endpoint);
+the small routes live in info_routes and serving_tokenize. Every handler is wrapped so that any error leaves
+as an OpenAI error body, and every answer is counted for /metrics."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import orjson
+from starlette.requests import Request
+from starlette.routing import Route
+
+from apiserver.context import ServerContext
+from apiserver.errors import InvalidRequest, as_api_error, error_response
+from apiserver.info_routes import DevRoutes, InfoRoutes
+from apiserver.serving_chat import ChatServing
+from apiserver.serving_completion import CompletionServing
+from apiserver.serving_tokenize import TokenizeServing
+
+log = logging.getLogger(__name__)
+
+DEV_MODE_ENV = "SUPERVISE_DEV_MODE"
+
+
+def openai_errors(handler, metrics):
+    """Whatever goes wrong in `handler` becomes the OpenAI error body (500s are logged with their traceback)."""
+
+    @functools.wraps(handler)
+    async def run(request: Request):
+        try:
+            response = await handler(request)
+        except Exception as exc:
+            response = error_response(as_api_error(exc))
+        metrics.count_status(response.status_code)
+        return response
+
+    return run
+
+
+class Invocations:
+    """POST /invocations (SageMaker): the body's shape picks the endpoint, served by the same objects."""
+
+    def __init__(self, chat: ChatServing, completion: CompletionServing):
+        self._chat = chat
+        self._completion = completion
+
+    async def create(self, request: Request):
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await self._chat.create(request)  # the body stays cached on the request
+        if isinstance(body, dict) and "prompt" in body:
+            return await self._completion.create(request)
+        raise InvalidRequest("/invocations needs `messages` (a chat completion) or `prompt` (a completion).")
+
+
+def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
+    """(path, handler, methods, summary) for every route this server has with its configuration."""
+    chat = ChatServing(ctx)
+    completion = CompletionServing(ctx)
+    tokenize = TokenizeServing(ctx, chat)
+    info = InfoRoutes(ctx)
+    table = [
+        ("/v1/chat/completions", chat.create, ["POST"], "Create a chat completion"),
+        ("/v1/completions", completion.create, ["POST"], "Create a completion"),
+        ("/v1/models", info.models, ["GET"], "List the served model"),
+        ("/health", info.health, ["GET"], "200 while the engine is alive, else 503"),
+        ("/ping", info.health, ["GET", "POST"], "SageMaker health check: as /health"),
+        ("/invocations", Invocations(chat, completion).create, ["POST"], "SageMaker: chat or completion by the body's shape"),
+        ("/tokenize", tokenize.tokenize, ["POST"], "Token ids of a prompt or of chat messages"),
+        ("/detokenize", tokenize.detokenize, ["POST"], "Text of token ids"),
+        ("/version", info.version, ["GET"], "The server's version"),
+        ("/load", info.load, ["GET"], "Requests in flight in this API server"),
+        ("/metrics", info.metrics, ["GET"], "Prometheus metrics of the whole group"),
+    ]
+    if ctx.config.enable_tokenizer_info_endpoint:
+        table.append(("/tokenizer_info", tokenize.tokenizer_info, ["GET"], "The tokenizer's configuration"))
+    if not ctx.config.disable_docs:
+        table.append(("/openapi.json", info.openapi, ["GET"], "This API's OpenAPI description"))
+        table.append(("/docs", info.docs, ["GET"], "This API's documentation page"))
+    if os.environ.get(DEV_MODE_ENV) == "1":
+        if ctx.index == 0:
+            log.warning("%s=1: development routes /server_info and /reset_prefix_cache are open", DEV_MODE_ENV)
+        dev = DevRoutes(ctx)
+        table.append(("/server_info", dev.server_info, ["GET"], "Development: configuration and engine stats"))
+        table.append(("/reset_prefix_cache", dev.reset_prefix_cache, ["POST"], "Development: drop the prefix cache"))
+    return table
+
+
+def build_routes(ctx: ServerContext) -> list[Route]:
+    table = route_table(ctx)
+    ctx.openapi_routes = [(path, method.lower(), summary) for path, _, methods, summary in table for method in methods]
+    return [Route(path, openai_errors(handler, ctx.metrics), methods=methods) for path, handler, methods, _ in table]

@@ -1,0 +1,73 @@
+"""From a validated request to the engine's SamplingParams: request fields over the model's
+generation_config.json defaults, over the engine's own defaults; and the context-length checks."""
+from __future__ import annotations
+
+from apiserver.errors import InvalidRequest
+from ipc.sampling import SamplingParams
+
+# Request field -> (generation_config key, value when neither the request nor the model says).
+_DEFAULTED = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 0),
+    "min_p": ("min_p", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+}
+
+
+def max_tokens_for(prompt_len: int, requested: int | None, max_model_len: int, what: str = "messages") -> int:
+    """The completion budget: `requested`, or all the room the context has left. 400 when it does not fit."""
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input {what}.",
+            param=what,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the completion). "
+            f"Please reduce the length of the {what} or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    values = {}
+    for name, (key, fallback) in _DEFAULTED.items():
+        value = getattr(request, name)
+        values[name] = value if value is not None else defaults.get(key, fallback)
+    if values["top_k"] < 0:  # vLLM's -1 and our 0 both mean off
+        values["top_k"] = 0
+    stop_token_ids = request.stop_token_ids or []
+    for token_id in stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"`stop_token_ids` holds {token_id}, outside the vocabulary.", param="stop_token_ids")
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"`min_tokens` ({request.min_tokens}) is larger than `max_tokens` ({max_tokens}).", param="min_tokens"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        seed=request.seed,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        n=request.n,
+        logprobs=logprobs,
+        **values,
+    )
+
+
+def stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)

@@ -1,0 +1,150 @@
+"""POST /v1/completions: a prompt (text or token ids, one or a batch) to the engine, and back as a
+`text_completion` body or a stream of them. With a batch, choice `i * n + j` is prompt i's j-th sample."""
+from __future__ import annotations
+
+import time
+
+import orjson
+from starlette.requests import Request
+
+from apiserver.errors import InvalidRequest
+from apiserver.generation import Choice, Generation
+from apiserver.logprobs import LogprobFormatter
+from apiserver.protocol import CompletionRequest
+from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
+from apiserver.serving import GenerationServing
+from apiserver.usage import usage
+from apiserver.validation import parse_body
+
+MAX_PROMPTS = 256
+
+
+class CompletionServing(GenerationServing):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.logprobs = LogprobFormatter(ctx.renderer.tokenizer)
+
+    def prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+        """Each prompt's token ids, and its text where the client sent text (for echo)."""
+        if not prompt:
+            raise InvalidRequest("`prompt` is empty.", param="prompt")
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt[0], int):
+            prompt = [prompt]
+        if isinstance(prompt[0], str):
+            texts = prompt
+            token_prompts = [self.ctx.renderer.encode(text) for text in texts]
+        else:
+            texts = [None] * len(prompt)
+            token_prompts = prompt
+        if len(token_prompts) > MAX_PROMPTS:
+            raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        vocab = self.ctx.model.vocab_size
+        for ids in token_prompts:
+            if not ids:
+                raise InvalidRequest("A prompt encodes to no tokens at all.", param="prompt")
+            if max(ids) >= vocab:
+                raise InvalidRequest(f"Token id {max(ids)} is outside the vocabulary (size {vocab}).", param="prompt")
+        return token_prompts, texts
+
+    async def create(self, request: Request):
+        req = parse_body(CompletionRequest, await request.body())
+        self.check_model(req.model)
+        self.check_engine()
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequest("`echo` with `logprobs` needs prompt logprobs, which this server does not compute.", param="echo")
+        ctx = self.ctx
+        prompts, texts = self.prompts(req.prompt)
+        max_model_len = ctx.model.max_model_len
+        max_tokens = min(max_tokens_for(len(p), req.max_tokens, max_model_len, "prompt") for p in prompts)
+        top_n = req.logprobs or 0
+        sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size)
+        request_id = self.request_id(request, req.request_id)
+        generation = Generation(
+            ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),
+            req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
+        )
+        echoes = [self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
+        response_id = "cmpl-" + request_id
+        created = int(time.time())
+        options = req.stream_options
+        writer = CompletionChunkWriter(self, response_id, created, top_n, echoes)
+        return await self.respond(
+            request, generation, req.stream, writer, bool(options and options.include_usage),
+            lambda gen: self.whole_body(gen, response_id, created, top_n, echoes),
+        )
+
+    def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
+        return text if text is not None else self.ctx.renderer.decode(prompt_ids, skip_special_tokens=False)
+
+    def whole_body(self, generation: Generation, response_id: str, created: int, top_n: int, echoes) -> dict:
+        choices = []
+        for choice in generation.choices:
+            text = choice.detokenizer.take_delta(final=True)
+            if echoes is not None:
+                text = echoes[choice.prompt_index] + text
+            choices.append({
+                "index": choice.index,
+                "text": text,
+                "logprobs": None if choice.logprobs is None else self.logprobs.completion(choice.logprobs, top_n, 0),
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            })
+        return {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage(generation, self.ctx.config),
+        }
+
+
+class CompletionChunkWriter:
+    """Builds streamed `text_completion` events as bytes: a fixed head per request, then per choice the text."""
+
+    def __init__(self, serving: CompletionServing, response_id: str, created: int, top_n: int, echoes):
+        self._serving = serving
+        self._head = b"".join((
+            b'data: {"id":', orjson.dumps(response_id), b',"object":"text_completion","created":',
+            str(created).encode(), b',"model":', orjson.dumps(serving.ctx.model_name), b',"choices":[',
+        ))
+        self._top_n = top_n
+        self._echoes = echoes
+        self._text_offsets: dict[int, int] = {}
+
+    def first(self, generation: Generation) -> bytes:
+        if self._echoes is None:
+            return b""
+        return b"".join(
+            self._event(choice.index, self._echoes[choice.prompt_index], b"null", b',"finish_reason":null')
+            for choice in generation.choices
+        )
+
+    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
+        events = []
+        for choice in changed:
+            finished = choice.finish_reason is not None
+            text = choice.detokenizer.take_delta(finished)
+            logprobs = b"null"
+            if choice.logprobs:
+                offset = self._text_offsets.get(choice.index, 0)
+                formatted = self._serving.logprobs.completion(choice.logprobs, self._top_n, offset)
+                self._text_offsets[choice.index] = offset + sum(len(t) for t in formatted["tokens"])
+                logprobs = orjson.dumps(formatted)
+                choice.logprobs.clear()
+            if not text and not finished and logprobs == b"null":
+                continue
+            if finished:
+                tail = b',"finish_reason":' + orjson.dumps(choice.finish_reason) + b',"stop_reason":' + orjson.dumps(choice.stop_reason)
+            else:
+                tail = b',"finish_reason":null'
+            events.append(self._event(choice.index, text, logprobs, tail))
+        return b"".join(events)
+
+    def _event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
+        return self._head + b'{"index":%d,"text":%b,"logprobs":%b%b}]}\n\n' % (index, orjson.dumps(text), logprobs, tail)
+
+    def usage(self, generation: Generation) -> bytes:
+        return self._head + b'],"usage":' + orjson.dumps(usage(generation, self._serving.ctx.config)) + b"}\n\n"

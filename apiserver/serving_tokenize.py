@@ -1,0 +1,67 @@
+"""POST /tokenize, POST /detokenize, GET /tokenizer_info: the model's tokenizer, without generating."""
+from __future__ import annotations
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from apiserver.errors import InvalidRequest
+from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from apiserver.serving import GenerationServing
+from apiserver.serving_chat import message_dict
+from apiserver.validation import parse_body
+
+
+def _json(body) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+class TokenizeServing(GenerationServing):
+    def __init__(self, ctx, chat):
+        super().__init__(ctx)
+        self._chat = chat
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            is_chat = b'"messages"' in body and "messages" in orjson.loads(body)
+        except (orjson.JSONDecodeError, TypeError):
+            is_chat = False  # parse_body below says what is wrong
+        renderer = self.ctx.renderer
+        if is_chat:
+            req = parse_body(TokenizeChatRequest, body)
+            self.check_model(req.model)
+            text = renderer.chat_text(
+                [message_dict(m) for m in req.messages], req.add_generation_prompt, req.continue_final_message,
+                req.chat_template_kwargs,
+            )
+            tokens = renderer.encode(text, req.add_special_tokens)
+        else:
+            req = parse_body(TokenizeCompletionRequest, body)
+            self.check_model(req.model)
+            tokens = renderer.encode(req.prompt, req.add_special_tokens)
+        return _json({"count": len(tokens), "max_model_len": self.ctx.model.max_model_len, "tokens": tokens, "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = parse_body(DetokenizeRequest, await request.body())
+        self.check_model(req.model)
+        vocab = self.ctx.model.vocab_size
+        for token in req.tokens:
+            if token >= vocab:
+                raise InvalidRequest(f"Token id {token} is outside the vocabulary (size {vocab}).", param="tokens")
+        return _json({"prompt": self.ctx.renderer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        hf = self.ctx.renderer.hf_tokenizer
+        return _json({
+            "tokenizer_class": type(hf).__name__,
+            "vocab_size": self.ctx.model.vocab_size,
+            "model_max_length": self.ctx.model.max_model_len,
+            "bos_token": hf.bos_token,
+            "eos_token": hf.eos_token,
+            "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token,
+            "eos_token_ids": list(self.ctx.model.eos_token_ids),
+            "added_tokens": {str(i): t.content for i, t in hf.added_tokens_decoder.items()},
+            "chat_template": getattr(hf, "chat_template", None),
+        })

@@ -1,0 +1,49 @@
+"""Request body bytes to a protocol model in one pydantic pass, or an InvalidRequest that says what is wrong
+in words a client can act on (the field's name in `param`)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationError
+
+from apiserver.errors import InvalidRequest
+from apiserver.protocol import UNSUPPORTED_FIELDS
+
+
+def parse_body(model: type[BaseModel], body: bytes):
+    if not body:
+        raise InvalidRequest("The request body is empty: expected a JSON object.")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid_request(exc) from None
+
+
+def _invalid_request(exc: ValidationError) -> InvalidRequest:
+    error = max(exc.errors(include_url=False, include_input=False), key=_specificity)
+    kind = error["type"]
+    if kind == "json_invalid":
+        return InvalidRequest(f"The request body is not valid JSON: {error['ctx']['error']}")
+    if kind == "model_type" and not error["loc"]:
+        return InvalidRequest("The request body must be a JSON object.")
+    loc = error["loc"]
+    # Union branches add their type name to the location; the client only cares about the field path.
+    path = ".".join(str(part) for part in loc if not _is_union_tag(part))
+    field = str(loc[0]) if loc else None
+    if kind == "extra_forbidden":
+        return InvalidRequest(f"Unsupported field: `{path}` is not a parameter this server accepts.", param=path)
+    if kind == "missing":
+        return InvalidRequest(f"Missing required field: `{path}`.", param=path)
+    if field in UNSUPPORTED_FIELDS and len(loc) == 1:
+        return InvalidRequest(f"Unsupported field: `{field}` is not supported by this server.", param=field)
+    return InvalidRequest(f"Invalid value for `{path}`: {error['msg']}.", param=path)
+
+
+def _specificity(error: dict) -> tuple[int, bool]:
+    """With a union, every branch reports; the most telling error went deepest into the value, and is about
+    a value rather than a type ("must be >= 0" over "should be a string")."""
+    depth = sum(1 for part in error["loc"] if not _is_union_tag(part))
+    return depth, not error["type"].endswith("_type")
+
+
+def _is_union_tag(part) -> bool:
+    # pydantic names union branches like 'str', 'list[TextPart]', 'function-after[...]', 'constrained-str'.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none", "constrained-str"))

@@ -1,0 +1,132 @@
+"""Offline throughput of the engine core against plain transformers `generate`, same model, same prompts, one run.
+
+    .venv/bin/python bench/engine.py                                   # CPU: 32 prompts of 128 + 128 tokens
+    .venv/bin/python bench/engine.py --device cuda --num-prompts 256   # one H200: target >= 20,000 output tok/s
+
+Both sides get the same random prompts (all of --prompt-len tokens) and produce exactly --output-len tokens each,
+greedily (the engine with ignore_eos, transformers with min_new_tokens). transformers runs them as static batches
+of --hf-batch-size (default: all at once), the engine as continuous batching under its own limits. A single-stream
+row (one request alone) is printed too unless --no-single.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from enginecore.engine import EngineCore  # noqa: E402
+from enginecore.loader import load_model  # noqa: E402
+from ipc.config import ServeConfig  # noqa: E402
+from ipc.messages import EngineRequest  # noqa: E402
+from ipc.sampling import SamplingParams  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
+    p.add_argument("--no-hf", action="store_true", help="skip plain transformers")
+    p.add_argument("--no-single", action="store_true", help="skip the single-stream rows")
+    return p.parse_args()
+
+
+def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, min(vocab, 32000), (n, length), generator=g).tolist()
+
+
+def run_engine(core: EngineCore, prompts: list[list[int]], output_len: int) -> tuple[int, float]:
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    requests = [EngineRequest(f"b{i}", p, sp) for i, p in enumerate(prompts)]
+    _sync(core.device)
+    started = time.perf_counter()
+    out = core.generate(requests)
+    _sync(core.device)
+    elapsed = time.perf_counter() - started
+    return sum(len(t) for t in out.values()), elapsed
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, device) -> tuple[int, float]:
+    total = 0
+    _sync(device)
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        ids = torch.tensor(prompts[i:i + batch_size], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    _sync(device)
+    return total, time.perf_counter() - started
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa")
+    model = loaded.model
+    prompts = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size)
+    rows = []
+
+    hf_results = {}
+    if not args.no_hf:  # transformers first: the engine switches the model's attention to its own
+        run_hf(model, prompts[:2], 4, 2, loaded.device)  # warm-up
+        hf_results["batch"] = run_hf(model, prompts, args.output_len, args.hf_batch_size or len(prompts),
+                                     loaded.device)
+        if not args.no_single:
+            hf_results["single"] = run_hf(model, prompts[:1], args.output_len, 1, loaded.device)
+
+    config = ServeConfig(
+        model=args.model, device=str(loaded.device), dtype=args.dtype, max_num_seqs=args.max_num_seqs or
+        len(prompts), max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + args.output_len + 16,
+        enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
+    )
+    core = EngineCore(config, loaded=loaded)
+    run_engine(core, prompts[: min(4, len(prompts))], 8)  # warm-up (and CUDA graph capture)
+    engine_results = {"batch": run_engine(core, prompts, args.output_len)}
+    if not args.no_single:
+        engine_results["single"] = run_engine(core, prompts[:1], args.output_len)
+
+    print()
+    print(f"model {loaded.model_dir} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}), "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each")
+    print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
+    for name, label in (("batch", f"{args.num_prompts} requests"), ("single", "1 request")):
+        if name not in engine_results:
+            continue
+        tokens, secs = engine_results[name]
+        rate = tokens / secs
+        hf = hf_results.get(name)
+        if hf:
+            hf_rate = hf[0] / hf[1]
+            hf_name = "transformers generate" + (f" (bs {args.hf_batch_size})" if args.hf_batch_size else "")
+            print(f"{label:<22}{hf_name:<26}{hf[0]:>11}{hf[1]:>10.2f}{hf_rate:>12.1f}{1.0:>8.2f}")
+        ratio = f"{rate / (hf[0] / hf[1]):>8.2f}" if hf else f"{'':>8}"
+        print(f"{label:<22}{'supervise engine core':<26}{tokens:>11}{secs:>10.2f}{rate:>12.1f}{ratio}")
+        rows.append((name, rate))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Sampler: the next token of every sequence of a step from its logits row, all rows in batched tensor ops.
+
+Order (as vLLM and transformers do): penalties (repetition on prompt and output, presence and frequency on the
+output), min_tokens (EOS and stop ids barred until then), then greedy rows take the argmax; the others are divided
+by their temperature, cut by top_k, min_p and top_p, and drawn by the exponential race (argmax of p / E with
+E ~ Exp(1)), which equals a multinomial draw. A request with a seed draws its E from its own generator, so its
+tokens do not depend on whatever else is in the batch.
+
+Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.sequence import Sequence
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list  # per row: None, or [sampled token's logprob, [[token_id, logprob], ...top k]]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        logits = logits.float()
+        params = [s.sampling for s in seqs]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        self._apply_penalties(logits, seqs)
+        self._apply_min_tokens(logits, seqs)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, _logprobs(raw_logprobs, tokens, params) if raw_logprobs is not None
+                            else [None] * len(seqs))
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            p = seq.sampling
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(seq.token_ids, device=logits.device).unique()
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                out = torch.tensor(seq.output_token_ids, device=logits.device)
+                counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            p = seq.sampling
+            if seq.num_output_tokens < p.min_tokens:
+                barred = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                barred = [t for t in barred if 0 <= t < logits.shape[1]]
+                if barred:
+                    logits[i, barred] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        params = [s.sampling for s in seqs]
+        dev = logits.device
+        greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
+        logits.div_(temps[:, None])
+
+        top_ks = [p.top_k if 0 < p.top_k < logits.shape[1] and not g else 0 for p, g in zip(params, greedy)]
+        if any(top_ks):
+            k_max = max(top_ks)
+            kth = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
+            ks = torch.tensor([k if k else k_max for k in top_ks], device=dev)
+            threshold = kth.gather(1, (ks - 1)[:, None])
+            threshold[torch.tensor([k == 0 for k in top_ks], device=dev)] = float("-inf")
+            logits.masked_fill_(logits < threshold, float("-inf"))
+
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [p.min_p if not g else 0.0 for p, g in zip(params, greedy)]
+        if any(min_ps):
+            floor = torch.tensor(min_ps, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs.masked_fill_(probs < floor, 0.0)
+        top_ps = [p.top_p if not g else 1.0 for p, g in zip(params, greedy)]
+        rows = [i for i, tp in enumerate(top_ps) if tp < 1.0]
+        if rows:
+            idx = torch.tensor(rows, device=dev)
+            sub = probs[idx]
+            sorted_p, order = sub.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(dim=-1)
+            # Drop a token when the ones before it already reach top_p (the first token always stays).
+            drop = (cum - sorted_p) > torch.tensor([top_ps[i] for i in rows], device=dev)[:, None]
+            sub.scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+            probs[idx] = sub
+
+        noise = torch.empty_like(probs)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
+        if len(seeded) < len(seqs):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            noise[i].exponential_(generator=seqs[i].generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if greedy_tokens is not None:
+            tokens = torch.where(torch.tensor(greedy, device=dev), greedy_tokens, tokens)
+        return tokens
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> list:
+    want = [p.logprobs for p in params]
+    k_max = min(MAX_LOGPROBS, max((k or 0) for k in want if k is not None))
+    sampled = raw.gather(1, tokens[:, None])[:, 0].tolist()
+    top_vals = top_ids = None
+    if k_max > 0:
+        top = torch.topk(raw, k_max, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    result = []
+    for i, k in enumerate(want):
+        if k is None:
+            result.append(None)
+            continue
+        k = min(k, MAX_LOGPROBS)
+        tops = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k else []
+        result.append([sampled[i], tops])
+    return result

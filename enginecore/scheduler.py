@@ -1,0 +1,182 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens.
+
+Continuous batching under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+running sequences first (decodes, then the rest of prompts being prefilled in chunks), then new prompts from the
+waiting queue, the last one cut to what is left of the budget (chunked prefill). When the KV pool runs out of
+blocks the newest, lowest-priority running sequence is preempted: its blocks are freed and it goes back to the
+waiting queue to be recomputed later (prompt and generated tokens alike), so no request is ever lost.
+
+Order everywhere is (priority, arrival): with the fcfs policy every priority is 0, so it is arrival order.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+
+from enginecore.block_pool import KVBlockPool
+from enginecore.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    # (sequence, number of its tokens to compute this step); single-token entries come first.
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Copy-on-write: (source block, destination block) copies to make before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, pool: KVBlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.running: list[Sequence] = []  # kept sorted by Sequence.key
+        self._waiting: list[tuple[tuple, int, Sequence]] = []  # heap; finished entries are skipped lazily
+        self.num_waiting = 0
+        # Keep a few blocks free for the running sequences' next tokens before admitting a new prompt,
+        # so admissions do not cause a preemption on the very next step.
+        self._watermark = max(1, pool.num_blocks // 100)
+
+    # --- queue ----------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.key, seq.seq_id, seq))
+        self.num_waiting += 1
+
+    def add_running(self, seq: Sequence) -> None:
+        """A choice forked from a running sequence: it runs at once, sharing its parent's blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=_key)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out of the schedule and free its blocks (finished or aborted)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.num_waiting -= 1  # its heap entry is skipped when it comes up
+        seq.status = SequenceStatus.FINISHED
+        self._free_blocks(seq)
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
+
+    # --- one step -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        # Decodes (one token) before the rest, each group in priority order.
+        order = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        order += [s for s in self.running if s.num_uncomputed_tokens != 1]
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by one before it in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self._reserve(seq, n, batch.block_copies):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled[seq] = n
+                budget -= n
+
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            if seq.num_computed_tokens == 0:
+                self._use_prefix_cache(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            reserve_ok = (not self.running or self._blocks_needed(seq, n) + self._watermark <= self.pool.num_free)
+            if not (reserve_ok and self._reserve(seq, n, batch.block_copies)):
+                self._free_blocks(seq)  # give back the prefix hits too; it tries again next step
+                break
+            heapq.heappop(self._waiting)
+            self.num_waiting -= 1
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=_key)
+            scheduled[seq] = n
+            budget -= n
+
+        ones = [(s, n) for s, n in scheduled.items() if n == 1]
+        batch.entries = ones + [(s, n) for s, n in scheduled.items() if n != 1]
+        return batch
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
+
+    def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
+        """Make sure seq's block table covers its next n tokens, none of them in a shared block."""
+        needed = self._blocks_needed(seq, n)
+        first_written = seq.num_computed_tokens // self.block_size
+        shared = [i for i in range(first_written, len(seq.block_table)) if self.pool.ref_count[seq.block_table[i]] > 1]
+        if needed + len(shared) > self.pool.num_free:
+            return False
+        for i in shared:  # copy-on-write: a forked choice writes its own copy of the shared partial block
+            new = self.pool.allocate()
+            copies.append((seq.block_table[i], new))
+            self.pool.free([seq.block_table[i]])
+            seq.block_table[i] = new
+        seq.block_table.extend(self.pool.allocate_many(needed))
+        return True
+
+    def _use_prefix_cache(self, seq: Sequence) -> None:
+        # At least one token must be computed: its logits give the next token.
+        num_full = (seq.num_tokens - 1) // self.block_size
+        if num_full == 0 or not self.pool.enable_prefix_caching:
+            return
+        hits = self.pool.lookup(seq.full_block_hashes(num_full, self.block_size))
+        seq.block_table = hits
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        if seq.num_preemptions == 0:  # a recompute after preemption is not what the client's prompt hit
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_preemptions += 1
+        batch.num_preempted += 1
+        log.debug("preempted %s (choice %d) after %d tokens", seq.request_id, seq.index, seq.num_tokens)
+        self.add(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks seq has filled and computed to the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = seq.full_block_hashes(num_full, self.block_size)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.register(seq.block_table[i], hashes[i])
+        seq.num_registered_blocks = num_full
+
+
+def _key(seq: Sequence):
+    return seq.key

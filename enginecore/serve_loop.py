@@ -1,0 +1,96 @@
+"""EngineServer: the engine core's loop behind its ZMQ ROUTER.
+
+One thread does everything, so the socket (not thread-safe) has one owner and there is no lock on the engine:
+  - idle: block in poll() until a message comes (no CPU used, no busy polling);
+  - busy: take every message already queued (ADD, ABORT, UTILITY) without waiting, run one engine step, and send
+    each API server one EngineOutputs with its sequences' new tokens.
+Messages that arrive during a step's forward pass wait in ZMQ's queue and are taken before the next step.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from enginecore.engine import EngineCore
+from ipc.codec import decode, encode
+from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
+                          UtilityResult)
+
+log = logging.getLogger(__name__)
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, router: zmq.Socket):
+        self.core = core
+        self.router = router
+        self.clients: set[bytes] = set()  # every API server heard from: they all hear of our death
+        self._poller = zmq.Poller()
+        self._poller.register(router, zmq.POLLIN)
+        self._utilities = {
+            "ping": lambda: "pong",
+            "stats": core.stats,
+            "reset_prefix_cache": core.reset_prefix_cache,
+        }
+
+    def serve_forever(self) -> None:
+        while True:
+            busy = self.core.has_work()
+            if self._poller.poll(0 if busy else None):
+                self._take_messages()
+            if self.core.has_work():
+                self._send_outputs(self.core.step())
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity, payload = frames[0], frames[1:]
+            self.clients.add(identity)
+            try:
+                record = decode(payload)
+            except Exception as exc:  # a malformed message must not kill the engine
+                log.warning("ignoring a malformed message from %r: %s", identity, exc)
+                continue
+            self._handle(identity, record)
+
+    def _handle(self, identity: bytes, record) -> None:
+        if isinstance(record, EngineRequest):
+            self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
+        elif isinstance(record, AbortRequests):
+            self._send_outputs([(identity, o) for o in self.core.abort(record.request_ids, identity)])
+        elif isinstance(record, UtilityCall):
+            self._send(identity, self._call(record))
+        else:
+            log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        method = self._utilities.get(call.method)
+        if method is None:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=method(*call.args))
+        except Exception as exc:
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _send_outputs(self, outputs: list[tuple[bytes | None, RequestOutput]]) -> None:
+        if not outputs:
+            return
+        by_client: dict[bytes, list[RequestOutput]] = {}
+        for client, output in outputs:
+            by_client.setdefault(client, []).append(output)
+        scheduler = self.core.scheduler
+        for client, outs in by_client.items():
+            self._send(client, EngineOutputs(outs, len(scheduler.running), scheduler.num_waiting, self.core.pool.usage))
+
+    def _send(self, identity: bytes, record) -> None:
+        self.router.send_multipart([identity, *encode(record)], copy=False)
+
+    def announce_death(self, reason: str) -> None:
+        for identity in self.clients:
+            try:
+                self._send(identity, EngineDead(reason))
+            except zmq.ZMQError:
+                pass

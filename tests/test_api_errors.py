@@ -1,0 +1,158 @@
+"""Every error through raw HTTP: the OpenAI error body with the right status, naming the field at fault;
+never a 500 for bad input, never a traceback. And what clients see when the engine dies."""
+import httpx
+import pytest
+
+from tests.supervise_process import Supervise
+
+MODEL = "sim:2"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def sim():
+    server = Supervise("--model", MODEL, "--max-model-len", "512")
+    try:
+        yield server.wait_serving()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(sim):
+    with httpx.Client(base_url=sim.url, timeout=30) as client:
+        yield client
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "unchecked") -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"] and "Traceback" not in response.text
+    if param != "unchecked":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def chat(http, **fields):
+    return http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **fields})
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"[1, 2]", b'"text"', b"null", b"\xff\xfe"])
+def test_not_a_json_object(http, body):
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/invocations"):
+        assert_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": None}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user"}]}, None),  # content may be left out; the template decides
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0.type"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"stream": "yes"}, "stream"),
+    ({"stop": 5}, "stop"),
+    ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (default true)
+])
+def test_bad_chat_fields_are_named(http, fields, param):
+    response = chat(http, **fields)
+    if param is None:
+        assert response.status_code == 200
+    else:
+        assert_error(response, 400, param)
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("logit_bias", {"1": 5}),
+                                          ("audio", {"voice": "x"}), ("frobnicate", 1)])
+def test_unsupported_and_unknown_fields_are_refused_by_name(http, field, value):
+    error = assert_error(chat(http, **{field: value}), 400, field)
+    assert field in error["message"]
+
+
+def test_unsupported_fields_sent_as_null_pass(http):
+    assert chat(http, max_tokens=1, tools=None, logit_bias=None, functions=None).status_code == 200
+
+
+def test_model_missing_or_unknown(http):
+    assert_error(http.post("/v1/chat/completions", json={"messages": HELLO}), 400, "model")
+    error = assert_error(chat(http, model="gpt-4"), 404, "model")
+    assert "gpt-4" in error["message"] and error["code"] == "model_not_found"
+    assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [49152]}, "prompt"),  # outside the vocabulary
+    ({"prompt": [-1]}, "prompt.0"),
+    ({"prompt": 12}, "prompt"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+])
+def test_bad_completion_fields(http, fields, param):
+    assert_error(http.post("/v1/completions", json={"model": MODEL, **fields}), 400, param)
+
+
+def test_prompt_longer_than_the_model_allows(http):
+    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 600}), 400)
+    assert "maximum context length is 512" in error["message"] and error["code"] == "context_length_exceeded"
+    error = assert_error(chat(http, max_tokens=600), 400, "max_tokens")
+    assert "maximum context length" in error["message"]
+
+
+def test_unknown_route_and_wrong_method(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/chat/completions"), 405)
+    assert_error(http.delete("/v1/models"), 405)
+
+
+def test_stream_too_gets_errors_before_it_starts(http):
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "stream": True, "n": 0})
+    assert_error(response, 400, "n")
+
+
+def test_engine_death_is_503_and_health_follows(start_supervise):
+    # The simulated engine's loop raises on a request id containing `sim-engine-die`, as a real engine bug
+    # would: it tells every API server ENGINE_DEAD, then exits; the supervisor then takes the group down.
+    group = start_supervise("--model", MODEL)
+    body = {"model": MODEL, "messages": HELLO, "request_id": "sim-engine-die-1"}
+    response = httpx.post(f"{group.base_url}/chat/completions", json=body, timeout=30)
+    error = assert_error(response, 503)
+    assert error["type"] == "service_unavailable_error"
+    try:
+        health = httpx.get(f"{group.url}/health", timeout=5)
+        assert health.status_code == 503
+        assert_error(httpx.post(f"{group.base_url}/chat/completions", json={"model": MODEL, "messages": HELLO}, timeout=5), 503)
+    except httpx.TransportError:
+        pass  # the supervisor already took the group down: as good as a 503 for a load balancer
+    assert group.wait_exit(60) != 0
+
+
+def test_engine_death_mid_stream_is_an_error_event(start_supervise):
+    group = start_supervise("--model", "sim:20")
+    body = {"model": "sim:20", "messages": HELLO, "stream": True, "max_tokens": 500, "ignore_eos": True}
+    with httpx.stream("POST", f"{group.base_url}/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        killer = {"model": "sim:20", "messages": HELLO, "request_id": "sim-engine-die-2"}
+        httpx.post(f"{group.base_url}/chat/completions", json=killer, timeout=30)
+        events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "service_unavailable_error" in events[-2]

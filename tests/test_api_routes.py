@@ -1,0 +1,154 @@
+"""Every route besides the two generation endpoints, with the flags that turn them on or off."""
+import re
+
+import httpx
+import pytest
+
+from tests.supervise_process import Supervise
+
+MODEL = "sim:2"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def full():
+    """One API server with every optional route on, in development mode."""
+    server = Supervise(
+        "--model", MODEL, "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
+        "--enable-prompt-tokens-details", env={"SUPERVISE_DEV_MODE": "1"},
+    )
+    try:
+        yield server.wait_serving()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(full):
+    with httpx.Client(base_url=full.url, timeout=30) as client:
+        yield client
+
+
+def test_models(http):
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
+
+
+def test_health_and_ping(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/ping").status_code == 200
+    assert http.post("/ping").status_code == 200
+
+
+def test_version(http):
+    assert re.match(r"\d+\.\d+", http.get("/version").json()["version"])
+
+
+def test_invocations_picks_the_endpoint_by_shape(http):
+    chat = http.post("/invocations", json={"model": MODEL, "messages": HELLO, "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "Paris is"
+    completion = http.post("/invocations", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).json()
+    assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == "Paris is"
+    neither = http.post("/invocations", json={"model": MODEL, "input": "x"})
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(http):
+    tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello, world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Hello, world"}
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": HELLO}).json()
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 1}).json()
+    assert chat["count"] == reply["usage"]["prompt_tokens"]
+    assert http.post("/tokenize", json={"prompt": "no model named is fine"}).status_code == 200
+    assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": [10**7]}).status_code == 400
+
+
+def test_tokenizer_info(http):
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+
+
+def test_prompt_tokens_details(http):
+    usage = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_load_counts_requests_in_flight(http, full):
+    assert http.get("/load").json() == {"server_load": 0}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{full.base_url}/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())
+        assert http.get("/load").json() == {"server_load": 1}
+    for _ in range(50):
+        if http.get("/load").json() == {"server_load": 0}:
+            break
+    assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_openapi_and_offline_docs(http):
+    spec = http.get("/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/invocations"):
+        assert "post" in spec["paths"][path]
+    assert "ChatCompletionRequest" in spec["components"]["schemas"]
+    page = http.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "openapi.json" in page.text
+    assert not re.search(r"(src|href)=[\"']?(https?:)?//", page.text)  # nothing fetched from elsewhere
+
+
+def test_development_routes(http, full):
+    info = http.get("/server_info").json()
+    assert info["config"]["model"] == MODEL and info["engines"][0]["num_running"] == 0
+    assert http.post("/reset_prefix_cache").status_code == 200
+    assert "development routes" in full.log()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Two API servers, docs off, no optional routes, not in development mode."""
+    server = Supervise("--model", MODEL, "--api-server-count", "2", "--disable-docs")
+    try:
+        yield server.wait_serving()
+    finally:
+        server.stop()
+
+
+def test_optional_routes_are_off_by_default(plain):
+    for path in ("/openapi.json", "/docs", "/tokenizer_info", "/server_info"):
+        response = httpx.get(plain.url + path, timeout=10)
+        assert response.status_code == 404 and "error" in response.json()
+    assert httpx.post(plain.url + "/reset_prefix_cache", timeout=10).status_code == 404
+    assert httpx.get(plain.url + "/load", timeout=10).json() == {"server_load": 0}
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def scrape(url: str) -> str:
+    # A fresh connection each time, so the scrapes land on both API servers.
+    with httpx.Client(timeout=10, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        response = client.get(url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+def test_metrics_are_group_totals_whichever_server_answers(plain):
+    before = metric(scrape(plain.url), 'supervise_request_success_total{model_name="sim:2",finished_reason="length"}')
+    for _ in range(12):
+        with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            client.post(plain.base_url + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    scrapes = [scrape(plain.url) for _ in range(8)]
+    finished = {metric(s, 'supervise_request_success_total{model_name="sim:2",finished_reason="length"}') for s in scrapes}
+    assert finished == {before + 12}
+    generated = {metric(s, "supervise_generation_tokens_total") for s in scrapes}
+    assert len(generated) == 1 and generated.pop() >= 24
+    assert all(metric(s, "supervise_api_servers ") == 2 for s in scrapes)
+    assert all(metric(s, "supervise_e2e_request_latency_seconds_count") >= 12 for s in scrapes)
+    assert all("# TYPE supervise_time_to_first_token_seconds histogram" in s for s in scrapes)

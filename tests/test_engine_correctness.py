@@ -1,0 +1,69 @@
+"""At temperature 0 in float32 on the CPU the engine's tokens equal plain transformers greedy generation, token for
+token, with several prompts of different lengths in flight at once."""
+from tests.test_engine_support import greedy_request, make_engine, prompts, reference_greedy  # noqa: F401
+
+MAX_TOKENS = 20
+
+
+def _run(engine, prompts, max_tokens=MAX_TOKENS):
+    return engine.generate([greedy_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)])
+
+
+def test_greedy_matches_transformers_concurrently(prompts):
+    engine = make_engine(enable_prefix_caching=False)
+    out = _run(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        assert out[(f"r{i}", 0)] == reference_greedy(prompt, MAX_TOKENS), f"prompt {i} ({len(prompt)} tokens)"
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_greedy_matches_with_prefix_caching_and_chunked_prefill(prompts):
+    # A small token budget cuts the long prompts into chunks; the second round hits the prefix cache.
+    engine = make_engine(enable_prefix_caching=True, max_num_batched_tokens=64)
+    first = _run(engine, prompts)
+    second = _run(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        expected = reference_greedy(prompt, MAX_TOKENS)
+        assert first[(f"r{i}", 0)] == expected, f"prompt {i}, cold cache"
+        assert second[(f"r{i}", 0)] == expected, f"prompt {i}, warm cache"
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_prefix_cache_hits_are_reported(prompts):
+    engine = make_engine(enable_prefix_caching=True)
+    prompt = prompts[-1]
+    outputs = []
+    for round_ in range(2):
+        engine.add_request(greedy_request(f"x{round_}", prompt, 4))
+        while engine.has_work():
+            outputs += [o for _, o in engine.step() if o.request_id == f"x{round_}"]
+    cached = [o.num_cached_tokens for o in outputs]
+    bs = engine.block_size
+    assert cached[0] == 0 and cached[-1] == (len(prompt) - 1) // bs * bs > 0
+
+
+def test_greedy_matches_across_preemption(prompts):
+    # 12 blocks of 16 tokens cannot hold every sequence at once: the newest are preempted and recomputed.
+    engine = make_engine(kv_cache_memory=12 * engine_block_bytes(), max_num_batched_tokens=128)
+    preempted = []
+    original_preempt = engine.scheduler._preempt
+
+    def spy(seq, batch):
+        preempted.append(seq.request_id)
+        original_preempt(seq, batch)
+
+    engine.scheduler._preempt = spy
+    short = [p for p in prompts if len(p) < 100]
+    out = _run(engine, short * 2, max_tokens=24)
+    assert preempted, "the pool was meant to run out"
+    for i, prompt in enumerate(short * 2):
+        assert out[(f"r{i}", 0)] == reference_greedy(prompt, 24), f"prompt {i}"
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def engine_block_bytes() -> int:
+    from enginecore.kv_cache import KVShape
+    from tests.test_engine_support import loaded_model
+
+    loaded = loaded_model()
+    return KVShape.of(loaded.hf_config).bytes_per_block(16, loaded.dtype)

@@ -1,0 +1,115 @@
+"""The batched sampler and the request lifecycle: seeds, n choices, logprobs, stop conditions, penalties, abort,
+priority."""
+from ipc.messages import EngineRequest
+from ipc.sampling import SamplingParams
+from tests.test_engine_support import greedy_request, make_engine, prompts, reference_greedy  # noqa: F401
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine()
+
+
+def _sampled(request_id, prompt, **params):
+    params.setdefault("max_tokens", 12)
+    return EngineRequest(request_id, prompt, SamplingParams(**params))
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine, prompts):
+    seeded = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = engine.generate([_sampled("s", prompts[2], **seeded)])[("s", 0)]
+    crowd = [_sampled(f"o{i}", p, temperature=1.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    crowd.insert(2, _sampled("s", prompts[2], **seeded))
+    mixed = engine.generate(crowd)[("s", 0)]
+    assert alone == mixed
+    other_seed = engine.generate([_sampled("s", prompts[2], **{**seeded, "seed": 99})])[("s", 0)]
+    assert other_seed != alone
+
+
+def test_n_choices_differ_and_share_the_prompt(engine, prompts):
+    prompt = prompts[4]  # 228 tokens: 14 full blocks
+    engine.add_request(_sampled("n", prompt, n=4, temperature=1.0, max_tokens=10, ignore_eos=True))
+    outputs = {}
+    used_after_prefill = None
+    while engine.has_work():
+        for _, out in engine.step():
+            outputs.setdefault(out.index, []).extend(out.new_token_ids)
+        if used_after_prefill is None and outputs:
+            used_after_prefill = engine.pool.num_blocks - engine.pool.num_free
+    assert sorted(outputs) == [0, 1, 2, 3]
+    assert all(len(t) == 10 for t in outputs.values())
+    assert len({tuple(t) for t in outputs.values()}) > 1
+    prompt_blocks = -(-len(prompt) // engine.block_size)
+    assert used_after_prefill < 2 * prompt_blocks  # four choices, the prompt's blocks held once
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_logprobs_format(engine, prompts):
+    engine.add_request(greedy_request("lp", prompts[1], 3, logprobs=5))
+    outs = []
+    while engine.has_work():
+        outs += [o for _, o in engine.step()]
+    assert len(outs) == 3
+    for out in outs:
+        (entry,) = out.logprobs
+        sampled, top = entry
+        assert len(top) == 5 and top[0][0] == out.new_token_ids[0] and abs(top[0][1] - sampled) < 1e-5
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:])) and sampled <= 0
+
+
+def test_stop_tokens_min_tokens_and_eos(engine, prompts):
+    prompt = prompts[2]
+    expected = reference_greedy(prompt, 20)
+    stop = expected[3]
+    first = expected.index(stop)
+    engine.add_request(greedy_request("stop", prompt, 20, stop_token_ids=[stop]))
+    outs = []
+    while engine.has_work():
+        outs += [o for _, o in engine.step()]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert [o.new_token_ids[0] for o in outs] == expected[:first + 1]
+
+    # Greedy on "Hi!" ends with EOS; min_tokens bars it, ignore_eos runs to max_tokens.
+    hi = prompts[0]
+    greedy = reference_greedy(hi, 30)
+    assert greedy[-1] in engine.eos_token_ids
+    out = engine.generate([greedy_request("eos", hi, 30)])[("eos", 0)]
+    assert out == greedy
+    out = engine.generate([greedy_request("min", hi, 30, min_tokens=len(greedy) + 2)])[("min", 0)]
+    assert len(out) >= len(greedy) + 2 and not set(out[:len(greedy) + 2]) & set(engine.eos_token_ids)
+    out = engine.generate([greedy_request("ign", hi, 30, ignore_eos=True)])[("ign", 0)]
+    assert len(out) == 30 and out[:len(greedy)] == greedy
+
+
+def test_penalties_change_a_repetitive_output(engine, prompts):
+    prompt = prompts[4]  # greedy repeats "The quick brown fox jumps over it."
+    plain = engine.generate([greedy_request("p", prompt, 24)])[("p", 0)]
+    # The repeats are very likely (large logit margins): penalties beyond the OpenAI range make the point.
+    for params in (dict(repetition_penalty=1.5), dict(frequency_penalty=5.0), dict(presence_penalty=5.0)):
+        out = engine.generate([greedy_request("q", prompt, 24, **params)])[("q", 0)]
+        assert out != plain, params
+
+
+def test_abort_frees_the_blocks(engine, prompts):
+    for i, p in enumerate(prompts):
+        engine.add_request(greedy_request(f"a{i}", p, 200, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.pool.num_free < engine.pool.num_blocks
+    outs = engine.abort([f"a{i}" for i in range(len(prompts))])
+    assert sorted(o.request_id for o in outs) == sorted(f"a{i}" for i in range(len(prompts)))
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_work()
+
+
+def test_priority_policy_runs_lower_values_first(prompts):
+    engine = make_engine(scheduling_policy="priority", max_num_seqs=1)
+    for i, priority in enumerate([5, 1, 3, 1]):
+        engine.add_request(EngineRequest(f"p{i}", prompts[1], SamplingParams(max_tokens=2, temperature=0.0),
+                                         priority=priority))
+    finished = []
+    while engine.has_work():
+        finished += [o.request_id for _, o in engine.step() if o.finished]
+    assert finished == ["p1", "p3", "p2", "p0"]
