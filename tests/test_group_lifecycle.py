@@ -172,7 +172,10 @@ def test_notify_socket_gets_ready_then_stopping(start_supervise, tmp_path):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(path)
     listener.settimeout(0.2)
-    server = start_supervise(*SIM, env={"NOTIFY_SOCKET": path})
+    server = start_supervise(*SIM, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    for child in server.children():
+        assert "NOTIFY_SOCKET" not in open(f"/proc/{child.pid}/environ").read()
+    time.sleep(1.5)  # long enough for a watchdog ping at half of WATCHDOG_USEC
     server.signal(signal.SIGTERM)
     assert server.wait_exit(30) == 0
     messages = []
@@ -185,5 +188,44 @@ def test_notify_socket_gets_ready_then_stopping(start_supervise, tmp_path):
     fields = [f for m in messages for f in m.split("\n")]
     assert "READY=1" in fields and "STOPPING=1" in fields
     assert fields.index("READY=1") < fields.index("STOPPING=1")
+    assert "WATCHDOG=1" in fields
+    assert any(f.startswith("EXTEND_TIMEOUT_USEC=") for f in fields[: fields.index("READY=1")])
     # The children must not have talked to systemd: every message came from the supervisor.
     assert any(f == f"MAINPID={server.pid}" for f in fields)
+
+
+def test_second_sigterm_stops_at_once(start_supervise):
+    server = start_supervise(*SIM, "--shutdown-timeout", "60")
+    model = model_of(server)
+
+    def endless():
+        try:
+            httpx.post(f"{server.base_url}/completions",
+                       json={"model": model, "prompt": "x", "max_tokens": 5000, "ignore_eos": True}, timeout=60)
+        except httpx.HTTPError:
+            pass
+
+    client = threading.Thread(target=endless, daemon=True)
+    client.start()
+    time.sleep(0.5)
+    children = server.children()
+    server.signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert server.proc.poll() is None  # draining: the 50 s request is still running
+    server.signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert server.wait_exit(15) == 0
+    assert time.monotonic() - started < 10
+    assert wait_gone(children, 5) == []
+
+
+def test_api_servers_that_keep_dying_take_the_group_down(start_supervise):
+    server = start_supervise(*SIM, "--max-restarts", "1", "--restart-window", "60")
+    server.child_titled("ApiServer_0").kill()
+    deadline = time.monotonic() + 20
+    while "ApiServer_0 ready" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    server.child_titled("ApiServer_0").kill()
+    assert server.wait_exit(30) == 1
+    assert "more than 1 API server restarts within 60 s" in server.log()
