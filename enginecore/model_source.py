@@ -73,8 +73,11 @@ def _download_from_hub(repo_id: str) -> str:
 
 def converted_gguf_dir(gguf_path: str) -> str:
     """The safetensors conversion of `gguf_path` in the cache, made on first use."""
-    stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    # Keyed by content (size and the first MiB), not by path: every checkout and venv shares one conversion.
+    digest = hashlib.sha256(str(os.path.getsize(gguf_path)).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(1 << 20))
+    key = digest.hexdigest()[:12]
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     target = os.path.join(cache_root(), f"{name}-{key}")
     if os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
