@@ -1,8 +1,9 @@
 """Group-wide admission limits (--max-num-queued-reqs, --max-num-queued-tokens).
 
-The limits hold for the whole group, not per API server: the admitted counters live in the group's shared
-memory and change only under the group lock, so with 4 servers and a limit of 10 never more than 10 requests
-are admitted at once. Without limits nothing is counted and the lock is never taken.
+The limits hold for the whole group, not per API server: each server's admitted counts live in its slot of
+the group's shared memory, and are summed and raised only under the group lock, so with 4 servers and a
+limit of 10 never more than 10 requests are admitted at once. A server that dies frees its counts with its
+slot. Without limits nothing is counted and the lock is never taken.
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from apiserver.errors import Overloaded
 
 
 class AdmissionControl:
-    def __init__(self, group_state, group_lock, max_requests: int | None, max_tokens: int | None):
+    def __init__(self, group_state, group_lock, slot: int, max_requests: int | None, max_tokens: int | None):
         self._group = group_state
+        self._slot = slot
         self._lock = group_lock
         self._max_requests = max_requests
         self._max_tokens = max_tokens
@@ -33,10 +35,10 @@ class AdmissionControl:
                     f"The server is at its limit of {self._max_tokens} queued prompt tokens; retry later.",
                     code="too_many_tokens",
                 )
-            self._group.add_admitted(1, num_tokens)
+            self._group.add_admitted(self._slot, 1, num_tokens)
 
     def release(self, num_tokens: int) -> None:
         if not self.enabled:
             return
         with self._lock:
-            self._group.add_admitted(-1, -num_tokens)
+            self._group.add_admitted(self._slot, -1, -num_tokens)

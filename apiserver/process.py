@@ -78,7 +78,9 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
         renderer=renderer,
         engine=engine,
         group=group,
-        admission=AdmissionControl(group, group_lock, config.max_num_queued_reqs, config.max_num_queued_tokens),
+        admission=AdmissionControl(
+            group, group_lock, index, config.max_num_queued_reqs, config.max_num_queued_tokens
+        ),
         metrics=Metrics(config.runtime_dir, index),
     )
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")

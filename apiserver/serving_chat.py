@@ -7,6 +7,7 @@ import time
 import orjson
 from starlette.requests import Request
 
+from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Choice, Generation
 from apiserver.logprobs import LogprobFormatter
@@ -89,15 +90,13 @@ class ChatServing(GenerationServing):
         }
 
 
-class ChatChunkWriter:
-    """Builds `chat.completion.chunk` events as bytes: a fixed head per request, then per choice the delta."""
+class ChatChunkWriter(ChunkWriterBase):
+    """Streamed `chat.completion.chunk` events: a first one with the role, then each choice's delta."""
 
     def __init__(self, serving: ChatServing, response_id: str, created: int, top_n: int):
-        self._serving = serving
-        self._head = b"".join((
-            b'data: {"id":', orjson.dumps(response_id), b',"object":"chat.completion.chunk","created":',
-            str(created).encode(), b',"model":', orjson.dumps(serving.ctx.model_name), b',"choices":[',
-        ))
+        ctx = serving.ctx
+        super().__init__(chunk_head(response_id, b"chat.completion.chunk", created, ctx.model_name), ctx.config)
+        self._logprobs = serving.logprobs
         self._top_n = top_n
 
     def first(self, generation: Generation) -> bytes:
@@ -108,26 +107,9 @@ class ChatChunkWriter:
             for choice in generation.choices
         )
 
-    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
-        events = []
-        for choice in changed:
-            finished = choice.finish_reason is not None
-            text = choice.detokenizer.take_delta(finished)
-            logprobs = b"null"
-            if choice.logprobs:
-                logprobs = orjson.dumps({"content": self._serving.logprobs.chat(choice.logprobs, self._top_n)})
-                choice.logprobs.clear()
-            if not text and not finished and logprobs == b"null":
-                continue  # nothing certain yet: a partial character, or text that may start a stop string
-            delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
-            if finished:
-                tail = b',"finish_reason":' + orjson.dumps(choice.finish_reason) + b',"stop_reason":' + orjson.dumps(choice.stop_reason)
-            else:
-                tail = b',"finish_reason":null'
-            events.append(
-                self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n' % (choice.index, delta, logprobs, tail)
-            )
-        return b"".join(events)
+    def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
+        delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
+        return self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n' % (index, delta, logprobs, tail)
 
-    def usage(self, generation: Generation) -> bytes:
-        return self._head + b'],"usage":' + orjson.dumps(usage(generation, self._serving.ctx.config)) + b"}\n\n"
+    def logprobs_json(self, choice: Choice) -> bytes:
+        return orjson.dumps({"content": self._logprobs.chat(choice.logprobs, self._top_n)})

@@ -7,6 +7,7 @@ import time
 import orjson
 from starlette.requests import Request
 
+from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Choice, Generation
 from apiserver.logprobs import LogprobFormatter
@@ -101,50 +102,30 @@ class CompletionServing(GenerationServing):
         }
 
 
-class CompletionChunkWriter:
-    """Builds streamed `text_completion` events as bytes: a fixed head per request, then per choice the text."""
+class CompletionChunkWriter(ChunkWriterBase):
+    """Streamed `text_completion` events: the echoed prompts first (with echo), then each choice's text."""
 
     def __init__(self, serving: CompletionServing, response_id: str, created: int, top_n: int, echoes):
-        self._serving = serving
-        self._head = b"".join((
-            b'data: {"id":', orjson.dumps(response_id), b',"object":"text_completion","created":',
-            str(created).encode(), b',"model":', orjson.dumps(serving.ctx.model_name), b',"choices":[',
-        ))
+        ctx = serving.ctx
+        super().__init__(chunk_head(response_id, b"text_completion", created, ctx.model_name), ctx.config)
+        self._logprobs = serving.logprobs
         self._top_n = top_n
         self._echoes = echoes
-        self._text_offsets: dict[int, int] = {}
+        self._text_offsets: dict[int, int] = {}  # choice index -> where its next token's text starts
 
     def first(self, generation: Generation) -> bytes:
         if self._echoes is None:
             return b""
         return b"".join(
-            self._event(choice.index, self._echoes[choice.prompt_index], b"null", b',"finish_reason":null')
+            self.event(choice.index, self._echoes[choice.prompt_index], b"null", b',"finish_reason":null')
             for choice in generation.choices
         )
 
-    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
-        events = []
-        for choice in changed:
-            finished = choice.finish_reason is not None
-            text = choice.detokenizer.take_delta(finished)
-            logprobs = b"null"
-            if choice.logprobs:
-                offset = self._text_offsets.get(choice.index, 0)
-                formatted = self._serving.logprobs.completion(choice.logprobs, self._top_n, offset)
-                self._text_offsets[choice.index] = offset + sum(len(t) for t in formatted["tokens"])
-                logprobs = orjson.dumps(formatted)
-                choice.logprobs.clear()
-            if not text and not finished and logprobs == b"null":
-                continue
-            if finished:
-                tail = b',"finish_reason":' + orjson.dumps(choice.finish_reason) + b',"stop_reason":' + orjson.dumps(choice.stop_reason)
-            else:
-                tail = b',"finish_reason":null'
-            events.append(self._event(choice.index, text, logprobs, tail))
-        return b"".join(events)
-
-    def _event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
+    def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
         return self._head + b'{"index":%d,"text":%b,"logprobs":%b%b}]}\n\n' % (index, orjson.dumps(text), logprobs, tail)
 
-    def usage(self, generation: Generation) -> bytes:
-        return self._head + b'],"usage":' + orjson.dumps(usage(generation, self._serving.ctx.config)) + b"}\n\n"
+    def logprobs_json(self, choice: Choice) -> bytes:
+        offset = self._text_offsets.get(choice.index, 0)
+        formatted = self._logprobs.completion(choice.logprobs, self._top_n, offset)
+        self._text_offsets[choice.index] = offset + sum(len(t) for t in formatted["tokens"])
+        return orjson.dumps(formatted)

@@ -1,8 +1,10 @@
 """One block of shared memory for the whole group, made by the supervisor and attached by every API server.
 
-Each API server owns one slot and is its only writer (open connections, in-flight requests, heartbeat), so no
-lock is needed for those. The group-wide admission counters are shared by all servers and only change under
-the group's lock (a multiprocessing.Lock handed to every server).
+Each API server owns one slot and is its only writer (open connections, in-flight requests, heartbeat,
+admitted requests and tokens). The group-wide admission totals are the sums over the slots, read and raised
+under the group's lock (a multiprocessing.Lock handed to every server) so that together the servers never
+admit more than the limit. A server that dies takes its admitted counts with it: the supervisor releases its
+slot, and nothing leaks.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import time
 from multiprocessing import shared_memory
 
 MAX_SLOTS = 128
-_SLOT = struct.Struct("<qqdqq")  # open_connections, in_flight, heartbeat, pid, generation
-_GLOBAL = struct.Struct("<qqqq")  # admitted requests, admitted prompt tokens, dead engine rank + 1, spare
+# open_connections, in_flight, heartbeat, pid, admitted requests, admitted prompt tokens
+_SLOT = struct.Struct("<qqdqqq")
+_FIELDS = 6
+_GLOBAL = struct.Struct("<qq")  # dead engine rank + 1, spare
 _GLOBAL_OFFSET = MAX_SLOTS * _SLOT.size
 SIZE = _GLOBAL_OFFSET + _GLOBAL.size
 
-_OPEN, _IN_FLIGHT, _HEARTBEAT, _PID, _GENERATION = range(5)
+_OPEN, _IN_FLIGHT, _HEARTBEAT, _PID, _ADMITTED_REQUESTS, _ADMITTED_TOKENS = range(_FIELDS)
 
 
 class GroupState:
@@ -48,11 +52,11 @@ class GroupState:
             except FileNotFoundError:
                 pass
 
-    # Per-slot fields. Slot i starts at int64 index i*5.
+    # Per-slot fields. Slot i starts at 8-byte index i*_FIELDS.
     def _at(self, slot: int, field: int) -> int:
         if not 0 <= slot < MAX_SLOTS:
             raise IndexError(f"slot {slot} out of range")
-        return slot * 5 + field
+        return slot * _FIELDS + field
 
     def open_connections(self, slot: int) -> int:
         return self._ints[self._at(slot, _OPEN)]
@@ -77,42 +81,47 @@ class GroupState:
 
     def claim(self, slot: int, pid: int) -> None:
         """A (new) server takes slot: counters start at zero, the heartbeat at now."""
-        self.set_open_connections(slot, 0)
-        self.set_in_flight(slot, 0)
+        self._zero_counters(slot)
         self._ints[self._at(slot, _PID)] = pid
         self.beat(slot)
 
     def release(self, slot: int) -> None:
-        """The server in slot is gone: it no longer counts when others balance accepts."""
-        self.set_open_connections(slot, 0)
-        self.set_in_flight(slot, 0)
+        """The server in slot is gone: it no longer counts when others balance accepts or admit requests."""
+        self._zero_counters(slot)
         self._ints[self._at(slot, _PID)] = 0
+
+    def _zero_counters(self, slot: int) -> None:
+        for field in (_OPEN, _IN_FLIGHT, _ADMITTED_REQUESTS, _ADMITTED_TOKENS):
+            self._ints[self._at(slot, field)] = 0
 
     def least_open_connections(self) -> int:
         """The fewest open connections among live servers (pid set)."""
         best = None
-        for slot in range(MAX_SLOTS):
-            if self._ints[slot * 5 + _PID]:
-                n = self._ints[slot * 5 + _OPEN]
+        for base in range(0, MAX_SLOTS * _FIELDS, _FIELDS):
+            if self._ints[base + _PID]:
+                n = self._ints[base + _OPEN]
                 best = n if best is None or n < best else best
         return best or 0
 
-    # Group-wide admission counters; callers hold the group lock.
+    # Group-wide admission: callers hold the group lock.
     def admitted(self) -> tuple[int, int]:
-        base = _GLOBAL_OFFSET // 8
-        return self._ints[base], self._ints[base + 1]
+        """Requests and prompt tokens admitted and not yet finished, over every server of the group."""
+        requests = tokens = 0
+        for base in range(0, MAX_SLOTS * _FIELDS, _FIELDS):
+            requests += self._ints[base + _ADMITTED_REQUESTS]
+            tokens += self._ints[base + _ADMITTED_TOKENS]
+        return requests, tokens
 
-    def add_admitted(self, requests: int, tokens: int) -> None:
-        base = _GLOBAL_OFFSET // 8
-        self._ints[base] += requests
-        self._ints[base + 1] += tokens
+    def add_admitted(self, slot: int, requests: int, tokens: int) -> None:
+        self._ints[self._at(slot, _ADMITTED_REQUESTS)] += requests
+        self._ints[self._at(slot, _ADMITTED_TOKENS)] += tokens
 
     # Set by the supervisor when it sees an engine core die without a word (kill -9, OOM): the API servers
     # then answer 503 at once instead of waiting on an engine that will never reply.
     def dead_engine(self) -> int | None:
         """The rank of an engine core that died, or None while all live."""
-        value = self._ints[_GLOBAL_OFFSET // 8 + 2]
+        value = self._ints[_GLOBAL_OFFSET // 8]
         return value - 1 if value else None
 
     def mark_engine_dead(self, rank: int) -> None:
-        self._ints[_GLOBAL_OFFSET // 8 + 2] = rank + 1
+        self._ints[_GLOBAL_OFFSET // 8] = rank + 1

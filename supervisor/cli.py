@@ -1,6 +1,7 @@
 """The `supervise` command line: every option becomes one field of ServeConfig."""
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -8,6 +9,22 @@ import click
 from ipc.config import ServeConfig
 
 _DEFAULTS = ServeConfig()
+
+
+def _list_option(ctx, param, value):
+    """A JSON list (as vLLM takes it) or a comma-separated list -> a tuple of strings."""
+    if value is None:
+        return ()
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise click.BadParameter(f"not a JSON list: {exc}")
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise click.BadParameter("expected a JSON list of strings")
+        return tuple(items)
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _positive(ctx, param, value):
@@ -68,6 +85,31 @@ def _positive(ctx, param, value):
               help="exit: the group goes down (systemd restarts it); restart: restart the group in place.")
 @click.option("--accept-backoff-ms", default=_DEFAULTS.accept_backoff_ms, show_default=True,
               type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
+@click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
+@click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,
+              help='CORS: allowed origins, a JSON list or comma-separated ("*": any). Default: none.')
+@click.option("--allowed-methods", default='["*"]', show_default=True, callback=_list_option,
+              help="CORS: allowed methods, a JSON list or comma-separated.")
+@click.option("--allowed-headers", default='["*"]', show_default=True, callback=_list_option,
+              help="CORS: allowed request headers, a JSON list or comma-separated.")
+@click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, Authorization).")
+@click.option("--enable-request-id-headers", is_flag=True,
+              help="Answer every request with an X-Request-Id header (the client's, or a new one).")
+@click.option("--disable-docs", is_flag=True, help="Do not serve /openapi.json and /docs.")
+@click.option("--sse-keep-alive-interval", default=None, type=click.FloatRange(0, min_open=True),
+              help="Streams idle this many seconds get a `: keep-alive` comment.")
+@click.option("--max-num-queued-reqs", default=None, type=click.IntRange(1),
+              help="Most requests admitted at once over the whole group; more get HTTP 503.")
+@click.option("--max-num-queued-tokens", default=None, type=click.IntRange(1),
+              help="Most prompt tokens admitted at once over the whole group; more get HTTP 503.")
+@click.option("--enable-prompt-tokens-details", is_flag=True,
+              help="Report cached prompt tokens in usage.prompt_tokens_details.")
+@click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")
+@click.option("--enable-server-load-tracking", is_flag=True, help="Count in-flight requests for GET /load.")
+@click.option("--middleware", multiple=True, metavar="MODULE:OBJECT",
+              help="Extra ASGI middleware (a class, or `async def f(request, call_next)`); repeatable, "
+                   "outermost first.")
 @click.option("--log-level", default=_DEFAULTS.log_level, show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(**options) -> None:

@@ -82,7 +82,8 @@ def test_load_counts_requests_in_flight(http, full):
     assert http.get("/load").json() == {"server_load": 0}
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{full.base_url}/completions", json=body, timeout=30) as response:
-        next(response.iter_lines())
+        lines = response.iter_lines()  # kept: a dropped line iterator closes the response
+        next(lines)
         assert http.get("/load").json() == {"server_load": 1}
     for _ in range(50):
         if http.get("/load").json() == {"server_load": 0}:

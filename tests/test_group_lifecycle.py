@@ -229,3 +229,29 @@ def test_api_servers_that_keep_dying_take_the_group_down(start_supervise):
     server.child_titled("ApiServer_0").kill()
     assert server.wait_exit(30) == 1
     assert "more than 1 API server restarts within 60 s" in server.log()
+
+
+def test_a_killed_server_frees_its_admitted_requests(start_supervise):
+    # The group admits at most 2 requests; both are in flight on the server we kill. Its replacement must
+    # admit new requests: the dead server's counts go with it.
+    server = start_supervise(*SIM, "--max-num-queued-reqs", "2")
+    model = model_of(server)
+
+    def endless():
+        try:
+            httpx.post(f"{server.base_url}/completions",
+                       json={"model": model, "prompt": "x", "max_tokens": 5000, "ignore_eos": True}, timeout=60)
+        except httpx.HTTPError:
+            pass
+
+    for _ in range(2):
+        threading.Thread(target=endless, daemon=True).start()
+    time.sleep(1.0)
+    body = {"model": model, "prompt": "a", "max_tokens": 2}
+    assert httpx.post(f"{server.base_url}/completions", json=body, timeout=10).status_code == 503
+    server.child_titled("ApiServer_0").kill()
+    deadline = time.monotonic() + 20
+    while "ApiServer_0 ready" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    assert httpx.post(f"{server.base_url}/completions", json=body, timeout=10).status_code == 200

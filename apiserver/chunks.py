@@ -1,0 +1,52 @@
+"""Streamed chunks as bytes, without building response objects per token: what both endpoints' chunk
+writers share. Each request gets a fixed head (`data: {"id":...,"choices":[`); each event is the head plus
+one choice's new text, logprobs and finish, in the endpoint's own shape."""
+from __future__ import annotations
+
+import orjson
+
+from apiserver.generation import Choice, Generation
+from apiserver.usage import usage
+from ipc.config import ServeConfig
+
+
+def chunk_head(response_id: str, object_name: bytes, created: int, model_name: str) -> bytes:
+    return b"".join((
+        b'data: {"id":', orjson.dumps(response_id), b',"object":"', object_name, b'","created":',
+        str(created).encode(), b',"model":', orjson.dumps(model_name), b',"choices":[',
+    ))
+
+
+class ChunkWriterBase:
+    """Subclasses give `event(index, text, logprobs_json, finish_fields)` and `logprobs_json(choice)`."""
+
+    def __init__(self, head: bytes, config: ServeConfig):
+        self._head = head
+        self._config = config
+
+    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
+        events = []
+        for choice in changed:
+            finished = choice.finish_reason is not None
+            text = choice.detokenizer.take_delta(finished)
+            logprobs = b"null"
+            if choice.logprobs:
+                logprobs = self.logprobs_json(choice)
+                choice.logprobs.clear()
+            if not text and not finished and logprobs == b"null":
+                continue  # nothing certain yet: a partial character, or text that may start a stop string
+            if finished:
+                tail = b',"finish_reason":' + orjson.dumps(choice.finish_reason) + b',"stop_reason":' + orjson.dumps(choice.stop_reason)
+            else:
+                tail = b',"finish_reason":null'
+            events.append(self.event(choice.index, text, logprobs, tail))
+        return b"".join(events)
+
+    def usage(self, generation: Generation) -> bytes:
+        return self._head + b'],"usage":' + orjson.dumps(usage(generation, self._config)) + b"}\n\n"
+
+    def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
+        raise NotImplementedError
+
+    def logprobs_json(self, choice: Choice) -> bytes:
+        raise NotImplementedError
