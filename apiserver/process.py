@@ -27,6 +27,7 @@ from ipc.shared_state import GroupState
 log = logging.getLogger("apiserver")
 
 ENGINE_PING_TIMEOUT = 60.0
+ENGINE_GONE_EXIT_CODE = 3  # the engine stopped answering: the supervisor logs this exit and decides
 
 
 def run_api_server(
@@ -67,6 +68,7 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
     from apiserver.app import build_app
     from apiserver.context import ServerContext
     from apiserver.engine_client import EngineClient
+    from apiserver.engine_watch import watch_engines
     from apiserver.metrics import Metrics
     from apiserver.server import beat_forever, build_http_server
 
@@ -90,7 +92,18 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
         ready.send(True)
         if stop.received:
             return
+        gone: list[str] = []
+
+        def on_engine_gone(reason: str) -> None:
+            log.error("stopping: %s", reason)
+            gone.append(reason)
+            server.should_exit = True
+
+        watcher = asyncio.create_task(watch_engines(engine, on_engine_gone), name="engine-watch")
         await server.serve(sockets=[listen_socket])
+        watcher.cancel()
+        if gone:
+            raise SystemExit(ENGINE_GONE_EXIT_CODE)
     finally:
         heartbeat.cancel()
         await engine.close()

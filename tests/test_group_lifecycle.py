@@ -255,3 +255,20 @@ def test_a_killed_server_frees_its_admitted_requests(start_supervise):
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
     assert httpx.post(f"{server.base_url}/completions", json=body, timeout=10).status_code == 200
+
+
+def test_api_server_stops_itself_when_its_engine_stops_answering(start_supervise):
+    # A frozen engine never exits, so the supervisor's sentinel sees nothing: the API server's own pings must.
+    server = start_supervise(*SIM, "--max-restarts", "0")
+    engine = server.child_titled("EngineCore_DP0")
+    engine.suspend()
+    try:
+        assert server.wait_exit(60) == 1
+    finally:
+        try:
+            engine.resume()
+        except psutil.NoSuchProcess:
+            pass  # the supervisor killed it on the way down
+    log = server.log()
+    assert "missed 3 ping(s) in a row" in log
+    assert "ApiServer_0 died: exit code 3" in log
