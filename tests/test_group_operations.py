@@ -51,8 +51,8 @@ def test_sigttin_adds_and_sigttou_removes_an_api_server(start_supervise):
     wait_until(lambda: len(api_server_pids(server)) == 3 and "ApiServer_2 ready" in server.log(), 30,
                "a third server", server)
     server.signal(signal.SIGTTOU)
-    wait_until(lambda: len(api_server_pids(server)) == 2, 30, "back to two servers", server)
-    assert "drained and stopped" in server.log()
+    wait_until(lambda: len(api_server_pids(server)) == 2 and "ApiServer_2 drained and stopped" in server.log(), 30,
+               "back to two servers", server)
     assert httpx.post(f"{server.base_url}/completions",
                       json={"model": model_of(server), "prompt": "a", "max_tokens": 2}).status_code == 200
 
