@@ -1,7 +1,8 @@
 """Offline throughput of the engine core against plain transformers `generate`, same model, same prompts, one run.
 
     .venv/bin/python bench/engine.py                                   # CPU: 32 prompts of 128 + 128 tokens
-    .venv/bin/python bench/engine.py --device cuda --num-prompts 256   # one H200: target >= 20,000 output tok/s
+    python3 bench/engine.py --model DIR --device cuda --num-prompts 256   # one H200: target >= 20,000 out tok/s
+    (bench/device.sh runs the latter with a random-weight SmolLM2-135M made by bench/make_random_model.py)
 
 Both sides get the same random prompts (all of --prompt-len tokens) and produce exactly --output-len tokens each,
 greedily (the engine with ignore_eos, transformers with min_new_tokens). transformers runs them as static batches
@@ -18,8 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
-
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
@@ -36,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: 8192 on CUDA (a GPU step of 8k tokens costs little more than of 2k), else 2048")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
@@ -86,7 +88,6 @@ def main() -> None:
     loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa")
     model = loaded.model
     prompts = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size)
-    rows = []
 
     hf_results = {}
     if not args.no_hf:  # transformers first: the engine switches the model's attention to its own
@@ -96,9 +97,10 @@ def main() -> None:
         if not args.no_single:
             hf_results["single"] = run_hf(model, prompts[:1], args.output_len, 1, loaded.device)
 
+    token_budget = args.max_num_batched_tokens or (8192 if loaded.device.type == "cuda" else 2048)
     config = ServeConfig(
         model=args.model, device=str(loaded.device), dtype=args.dtype, max_num_seqs=args.max_num_seqs or
-        len(prompts), max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
     )
@@ -111,7 +113,9 @@ def main() -> None:
     print()
     print(f"model {loaded.model_dir} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}), "
           f"torch threads {torch.get_num_threads()}")
-    print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each")
+    print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each; engine: "
+          f"max-num-batched-tokens {token_budget}"
+          + (f", CUDA graphs {'off' if args.enforce_eager else 'on'}" if loaded.device.type == "cuda" else ""))
     print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
     for name, label in (("batch", f"{args.num_prompts} requests"), ("single", "1 request")):
         if name not in engine_results:
@@ -125,7 +129,6 @@ def main() -> None:
             print(f"{label:<22}{hf_name:<26}{hf[0]:>11}{hf[1]:>10.2f}{hf_rate:>12.1f}{1.0:>8.2f}")
         ratio = f"{rate / (hf[0] / hf[1]):>8.2f}" if hf else f"{'':>8}"
         print(f"{label:<22}{'supervise engine core':<26}{tokens:>11}{secs:>10.2f}{rate:>12.1f}{ratio}")
-        rows.append((name, rate))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,18 @@ class PrefillRun:
 
 
 @dataclass
+class VarlenAttention:
+    """The whole step as one variable-length flash-attention call (CUDA, half precision): every sequence's new
+    tokens (one for a decode) against its whole context, gathered from the cache through kv_slots."""
+
+    kv_slots: torch.Tensor  # [total context] the cache slots of every run's context, run after run
+    cu_q: torch.Tensor  # [runs + 1] int32 cumulative query lengths
+    cu_k: torch.Tensor  # [runs + 1] int32 cumulative context lengths
+    max_q: int
+    max_k: int
+
+
+@dataclass
 class StepAttention:
     """Everything attention needs about the packed batch of one step; built once per step, read by every layer."""
 
@@ -43,6 +55,7 @@ class StepAttention:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * blocks per sequence] block tables padded with 0
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, blocks * block_size] bool: True = attend
     prefills: list[PrefillRun] = field(default_factory=list)
+    varlen: VarlenAttention | None = None  # set instead of the rest where flash varlen attention runs
 
 
 class _Current:
@@ -68,6 +81,8 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     _, heads, num_tokens, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
+    if step.varlen is not None:
+        return _varlen(layer, query, step.varlen, scaling), None
     if not step.prefills:  # all decodes: one batched op, no copy into a separate output
         return _decode(layer, query[0], step, kv_heads, group, scaling).unsqueeze(0), None
 
@@ -86,6 +101,42 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
             o = sdpa(q, k, v, attn_mask=run.mask, scale=scaling, enable_gqa=group > 1)
         out[run.start:run.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _varlen(layer: int, query: torch.Tensor, v: VarlenAttention, scaling) -> torch.Tensor:
+    """Causal attention aligned to the end of each sequence's context (bottom right): right for a decode, a
+    fresh prompt and a chunk after cached tokens alike."""
+    k_slots, v_slots = current.kv_cache.slots[layer]
+    q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, d]
+    out = flash_varlen(q, k_slots.index_select(0, v.kv_slots), v_slots.index_select(0, v.kv_slots),
+                       v.cu_q, v.cu_k, v.max_q, v.max_k, scaling)
+    return out.unsqueeze(0)
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling) -> torch.Tensor:
+    """[total_q, heads, d] -> [total_q, heads, d]; k/v [total_k, kv_heads, d] (flash attention handles GQA)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=scaling)[0]
+
+
+def flash_varlen_works(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether this torch build runs variable-length flash attention here (CUDA, half precision, its head sizes),
+    checked once against plain SDPA."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(5, heads, head_dim, device=device, dtype=dtype, generator=g)
+        kv = torch.randn(2, 7, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+        cu_q = torch.tensor([0, 2, 5], device=device, dtype=torch.int32)
+        cu_k = torch.tensor([0, 3, 7], device=device, dtype=torch.int32)
+        got = flash_varlen(q, kv[0], kv[1], cu_q, cu_k, 3, 4, head_dim ** -0.5)
+        # The second run: 3 queries at positions 1..3 of a 4-token context.
+        ref = sdpa(q[None, 2:5].transpose(1, 2), kv[0, None, 3:7].transpose(1, 2), kv[1, None, 3:7].transpose(1, 2),
+                   attn_mask=torch.ones(3, 4, dtype=torch.bool, device=device).tril(1), enable_gqa=heads != kv_heads)
+        return torch.allclose(got[2:5], ref[0].transpose(0, 1), atol=2e-2, rtol=2e-2)
+    except Exception:  # no flash kernel in this build or for these shapes
+        return False
 
 
 def _gather(layer_kv: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

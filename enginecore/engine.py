@@ -24,7 +24,6 @@ from enginecore.model_runner import ModelRunner
 from enginecore.sampler import Sampler
 from enginecore.scheduler import Scheduler
 from enginecore.sequence import Sequence
-from enginecore.step_inputs import build_step_inputs
 from ipc.config import ServeConfig
 from ipc.messages import EngineRequest, FinishReason, RequestOutput
 from ipc.model_info import ModelInfo
@@ -56,18 +55,9 @@ class EngineCore:
         if context_len and max_len > context_len:
             raise BadEngineSetting(f"--max-model-len {max_len} exceeds the model's context of {context_len} tokens")
 
-        self.runner = ModelRunner(loaded.model)
+        self.runner = ModelRunner(loaded.model, self.device, config.block_size)
         shape = KVShape.of(loaded.hf_config)
-        per_block = shape.bytes_per_block(config.block_size, loaded.dtype)
-        if self.device.type == "cuda":
-            from enginecore.cuda_setup import size_cuda_kv_cache
-
-            num_blocks = size_cuda_kv_cache(self.runner, config, per_block)
-        else:
-            num_blocks = cpu_num_blocks(per_block, config.block_size, max_len, config.max_num_seqs,
-                                        config.kv_cache_memory)
-        if num_blocks < 2:
-            raise BadEngineSetting(f"the KV cache has room for {num_blocks} blocks only: give it more memory")
+        num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         if self.max_model_len < max_len:
@@ -77,7 +67,8 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             from enginecore.cuda_graphs import CudaGraphRunner
 
-            self.runner = CudaGraphRunner(self.runner, config, self.max_model_len)
+            self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len)
+            self.runner.capture_common()
 
         self.pool = KVBlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
@@ -98,6 +89,20 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
         )
+
+    def _num_kv_blocks(self, shape: KVShape, max_len: int) -> int:
+        config = self.config
+        per_block = shape.bytes_per_block(config.block_size, self.loaded.dtype)
+        if self.device.type == "cuda":
+            from enginecore.cuda_setup import size_cuda_kv_cache
+
+            num_blocks = size_cuda_kv_cache(self.runner, shape, config, per_block, self.loaded.dtype)
+        else:
+            num_blocks = cpu_num_blocks(per_block, config.block_size, max_len, config.max_num_seqs,
+                                        config.kv_cache_memory)
+        if num_blocks < 2:
+            raise BadEngineSetting(f"the KV cache has room for {num_blocks} blocks only: give it more memory")
+        return num_blocks
 
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest, client: bytes | None = None) -> list[RequestOutput]:
@@ -164,7 +169,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        inputs = build_step_inputs(batch.entries, self.block_size, self.device)
+        inputs = self.runner.prepare(batch.entries)
         self.kv_cache.copy_blocks(batch.block_copies)
         logits = self.runner.forward(inputs)
         for seq, n in batch.entries:

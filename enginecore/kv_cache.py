@@ -43,7 +43,9 @@ class KVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # One block more than the pool hands out: padding rows of a CUDA-graph batch write their K/V there.
+        self.scratch_block = num_blocks
+        dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
         # Zeroed, not empty: masked-out slots still enter the softmax(QK)V product with weight 0, and 0 * NaN
         # garbage would be NaN.
         self.tensor = _zeros(dims, dtype, device)

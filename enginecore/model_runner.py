@@ -11,14 +11,17 @@ import torch
 
 from enginecore import attention
 from enginecore.kv_cache import KVCache
-from enginecore.step_inputs import StepInputs
+from enginecore.sequence import Sequence
+from enginecore.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache | None = None):
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, kv_cache: KVCache | None = None):
         self.model = model
+        self.device = device
+        self.block_size = block_size
         self.kv_cache = kv_cache
         attention.register()
         try:
@@ -27,6 +30,18 @@ class ModelRunner:
             raise RuntimeError(f"{type(model).__name__} cannot use the engine's paged attention: {exc}") from exc
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             raise RuntimeError(f"{type(model).__name__} does not support a pluggable attention implementation")
+        # On CUDA in half precision all prefill runs of a step go to one flash varlen call: one launch per layer
+        # instead of several per sequence.
+        text = model.config.get_text_config()
+        heads = text.num_attention_heads
+        self.varlen = attention.flash_varlen_works(
+            device, model.dtype, heads, getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads)
+        if device.type == "cuda":
+            log.info("prefill attention: %s", "flash varlen" if self.varlen else "SDPA per sequence")
+
+    def prepare(self, entries: list[tuple[Sequence, int]]) -> StepInputs:
+        return build_step_inputs(entries, self.block_size, self.device, varlen=self.varlen)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from enginecore.attention import PrefillRun, StepAttention
+from enginecore.attention import PrefillRun, StepAttention, VarlenAttention
 from enginecore.sequence import Sequence
 
 
@@ -22,10 +22,26 @@ class StepInputs:
     sample_rows: torch.Tensor  # [k] rows of the packed batch whose logits are sampled
     sample_seqs: list[Sequence]  # the sequences those rows belong to, in the same order
     num_tokens: int
+    # A decode-only batch padded to a CUDA graph's shape: (batch size, blocks per sequence); None otherwise.
+    graph_shape: tuple[int, int] | None = None
 
 
-def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> StepInputs:
-    """entries: (sequence, number of new tokens), single-token entries first (the scheduler orders them so)."""
+@dataclass
+class DecodePadding:
+    """Pad a decode-only batch to `batch` rows and `blocks` blocks per row; padding rows write to `scratch_block`."""
+
+    batch: int
+    blocks: int
+    scratch_block: int
+
+
+def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, device: torch.device,
+                      padding: DecodePadding | None = None, varlen: bool = False) -> StepInputs:
+    """entries: (sequence, number of new tokens), single-token entries first (the scheduler orders them so).
+    varlen: describe the step for one flash varlen attention call (CUDA) instead of batched decodes plus one
+    attention call per prefill run."""
+    if padding is not None:
+        return _padded_decode_inputs(entries, block_size, device, padding, varlen)
     ids: list[int] = []
     starts: list[int] = []  # first new position of each entry
     sample_rows: list[int] = []
@@ -48,37 +64,39 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     positions = np.empty(row, dtype=np.int64)
     slots = np.empty(row, dtype=np.int64)
     prefills: list[PrefillRun] = []
+    context_slots: list[np.ndarray] = []  # varlen: each prefill run's whole context, in cache slots
     decode_ctx = np.empty(num_decodes, dtype=np.int64)
     r = 0
     for i, (seq, n) in enumerate(entries):
         start = starts[i]
         if n == 1:
-            block = seq.block_table[start // block_size]
             positions[r] = start
-            slots[r] = block * block_size + start % block_size
+            slots[r] = seq.block_table[start // block_size] * block_size + start % block_size
             decode_ctx[i] = start + 1
         else:
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions[r:r + n] = pos
             slots[r:r + n] = table[pos // block_size] * block_size + pos % block_size
-            prefills.append(_prefill_run(r, start, n, table, block_size))
+            if varlen:
+                ctx = np.arange(start + n)
+                context_slots.append(table[ctx // block_size] * block_size + ctx % block_size)
+            else:
+                prefills.append(_prefill_run(r, start, n, table, block_size, device))
         r += n
 
     attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=num_decodes, prefills=prefills)
+    if varlen:
+        q_lens = [1] * num_decodes + [n for _, n in entries[num_decodes:]]
+        decode_slots, decode_lens = _context_slots(entries[:num_decodes], decode_ctx, block_size, num_decodes, 0)
+        k_lens = list(decode_lens) + [len(c) for c in context_slots]
+        attention.varlen = _varlen(np.concatenate([decode_slots] + context_slots), q_lens, k_lens, device)
+        num_decodes = 0  # nothing left for the batched decode path
     if num_decodes:
         max_blocks = -(-int(decode_ctx.max()) // block_size)
-        tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
-        for i in range(num_decodes):
-            table = entries[i][0].block_table[:max_blocks]
-            tables[i, :len(table)] = table
-        mask = np.arange(max_blocks * block_size)[None, :] < decode_ctx[:, None]
+        tables, mask = _decode_tables(entries[:num_decodes], decode_ctx, max_blocks, num_decodes, block_size, 0)
         attention.decode_blocks = _to(tables.reshape(-1), device)
-        attention.decode_mask = _to(mask[:, None, None, :], device)
-    for run in prefills:
-        if run.context_blocks is not None:
-            run.context_blocks = run.context_blocks.to(device, non_blocking=True)
-            run.mask = run.mask.to(device, non_blocking=True)
+        attention.decode_mask = _to(mask, device)
     return StepInputs(
         input_ids=_to(np.asarray(ids, dtype=np.int64), device)[None],
         positions=_to(positions, device)[None],
@@ -89,19 +107,86 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     )
 
 
-def _prefill_run(row: int, start: int, n: int, table: np.ndarray, block_size: int) -> PrefillRun:
+def _varlen(kv_slots: np.ndarray, q_lens, k_lens, device: torch.device, max_k: int | None = None) -> VarlenAttention:
+    return VarlenAttention(
+        kv_slots=_to(kv_slots, device),
+        cu_q=_to(np.cumsum([0, *q_lens]).astype(np.int32), device),
+        cu_k=_to(np.cumsum([0, *k_lens]).astype(np.int32), device),
+        max_q=int(max(q_lens)),
+        max_k=max_k or int(max(k_lens)),
+    )
+
+
+def _context_slots(entries, ctx: np.ndarray, block_size: int, rows: int, pad_block: int):
+    """Every single-token sequence's context in cache slots, packed one after the other, and the lengths
+    (padding rows: one slot of pad_block)."""
+    if rows == 0:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    blocks = -(-int(ctx.max()) // block_size) if len(ctx) else 1
+    tables, _ = _decode_tables(entries, ctx, blocks, rows, block_size, pad_block)
+    grid = (tables[:, :, None] * block_size + np.arange(block_size)).reshape(rows, -1)
+    lengths = np.ones(rows, dtype=np.int64)
+    lengths[:len(ctx)] = ctx
+    return grid[np.arange(grid.shape[1])[None, :] < lengths[:, None]], lengths
+
+
+def _decode_tables(entries, ctx: np.ndarray, blocks: int, rows: int, block_size: int, pad_block: int):
+    """Block tables [rows, blocks] (padded with pad_block) and the length mask [rows, 1, 1, blocks * block_size]."""
+    tables = np.full((rows, blocks), pad_block, dtype=np.int64)
+    for i, (seq, _) in enumerate(entries):
+        table = seq.block_table[:blocks]
+        tables[i, :len(table)] = table
+    lengths = np.ones(rows, dtype=np.int64)  # padding rows look at one (scratch) slot: no empty softmax
+    lengths[:len(ctx)] = ctx
+    mask = np.arange(blocks * block_size)[None, :] < lengths[:, None]
+    return tables, mask[:, None, None, :]
+
+
+def _padded_decode_inputs(entries, block_size: int, device: torch.device, padding: DecodePadding,
+                          varlen: bool) -> StepInputs:
+    b, rows = len(entries), padding.batch
+    ids = np.zeros(rows, dtype=np.int64)
+    positions = np.zeros(rows, dtype=np.int64)
+    slots = np.full(rows, padding.scratch_block * block_size, dtype=np.int64)
+    ctx = np.empty(b, dtype=np.int64)
+    for i, (seq, _) in enumerate(entries):
+        start = seq.num_computed_tokens
+        ids[i] = seq.token_ids[start]
+        positions[i] = start
+        slots[i] = seq.block_table[start // block_size] * block_size + start % block_size
+        ctx[i] = start + 1
+    if varlen:
+        # Static shapes for the graph: the packed contexts padded to rows x blocks x block_size slots.
+        kv_slots, lengths = _context_slots(entries, ctx, block_size, rows, padding.scratch_block)
+        full = np.full(rows * padding.blocks * block_size, padding.scratch_block * block_size, dtype=np.int64)
+        full[:len(kv_slots)] = kv_slots
+        attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=0,
+                                  varlen=_varlen(full, [1] * rows, lengths, device, padding.blocks * block_size))
+    else:
+        tables, mask = _decode_tables(entries, ctx, padding.blocks, rows, block_size, padding.scratch_block)
+        attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=rows,
+                                  decode_blocks=_to(tables.reshape(-1), device), decode_mask=_to(mask, device))
+    return StepInputs(
+        input_ids=_to(ids, device)[None],
+        positions=_to(positions, device)[None],
+        attention=attention,
+        sample_rows=_to(np.arange(rows, dtype=np.int64), device),
+        sample_seqs=[seq for seq, _ in entries],
+        num_tokens=rows,
+        graph_shape=(rows, padding.blocks),
+    )
+
+
+def _prefill_run(row: int, start: int, n: int, table: np.ndarray, block_size: int, device) -> PrefillRun:
     run = PrefillRun(start=row, end=row + n)
     if start > 0:  # part of its context is in the cache already (an earlier chunk, or a prefix hit)
         context = start + n
         run.context_len = context
-        run.context_blocks = torch.from_numpy(table[:-(-context // block_size)])
-        allowed = np.arange(context)[None, :] <= np.arange(start, start + n)[:, None]
-        run.mask = torch.from_numpy(allowed)
+        run.context_blocks = _to(table[:-(-context // block_size)], device)
+        run.mask = _to(np.arange(context)[None, :] <= np.arange(start, start + n)[:, None], device)
     return run
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(array)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)

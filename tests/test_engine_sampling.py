@@ -113,3 +113,28 @@ def test_priority_policy_runs_lower_values_first(prompts):
     while engine.has_work():
         finished += [o.request_id for _, o in engine.step() if o.finished]
     assert finished == ["p1", "p3", "p2", "p0"]
+
+
+@pytest.mark.parametrize("params, expected", [
+    (dict(), [0.2, 0.3, 0.5]),
+    (dict(temperature=0.5), [0.2 ** 2 / 0.38, 0.3 ** 2 / 0.38, 0.5 ** 2 / 0.38]),
+    (dict(top_p=0.6), [0.0, 0.375, 0.625]),
+    (dict(top_k=2), [0.0, 0.375, 0.625]),
+    (dict(min_p=0.5), [0.0, 0.375, 0.625]),
+    (dict(top_k=1), [0.0, 0.0, 1.0]),
+])
+def test_sampler_distribution(params, expected):
+    """Draw many rows from a known distribution over three tokens: the frequencies follow the filters."""
+    import torch
+
+    from enginecore.sampler import Sampler
+    from enginecore.sequence import Sequence
+
+    rows = 20000
+    logits = torch.full((rows, 8), float("-inf"))
+    logits[:, :3] = torch.tensor([0.2, 0.3, 0.5]).log()
+    seq = Sequence(seq_id=0, request_id="d", client=None, index=0, token_ids=[5], num_prompt_tokens=1,
+                   sampling=SamplingParams(**params), priority=0, arrival=0)
+    tokens = Sampler(8, torch.device("cpu"), (7,)).sample(logits, [seq] * rows).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=8)[:3].float() / rows
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.015), freq

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 
+import enginecore  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads)
 import pytest
 import torch
-
 from enginecore.engine import EngineCore
 from enginecore.loader import LoadedModel, load_model
 from ipc.config import ServeConfig

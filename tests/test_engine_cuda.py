@@ -1,0 +1,150 @@
+"""The CUDA path (skipped without a GPU): greedy tokens equal transformers' on the same GPU in float32, with CUDA
+graphs for decode steps and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+MAX_TOKENS = 24
+LENGTHS = (3, 17, 64, 200, 700)
+
+
+# SmolLM2-135M-Instruct's architecture.
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2, pad_token_id=2, hidden_act="silu",
+)
+
+
+def random_model_dir(target: str) -> str:
+    """A SmolLM2-135M-shaped model with random weights saved under `target`. Untied, with weights 2.5 times the
+    usual init scale, so that every token of the context sways the next one and greedy choices have clear margins
+    (about 1 logit): a wrong attention shows as different tokens, as with a trained model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SMOLLM2_135M, "tie_word_embeddings": False, "initializer_range": 0.05})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from enginecore.loader import load_model
+
+    return load_model(random_model_dir(str(tmp_path_factory.mktemp("model"))), "cuda", "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def references(loaded, prompts):
+    model = loaded.model
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_greedy_matches_transformers(loaded, prompts, references, enforce_eager):
+    from enginecore.engine import EngineCore
+    from ipc.config import ServeConfig
+    from ipc.messages import EngineRequest
+    from ipc.sampling import SamplingParams
+
+    config = ServeConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=1024,
+                         max_num_batched_tokens=512, enforce_eager=enforce_eager)
+    engine = EngineCore(config, loaded=loaded)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+    matches = [out[(f"r{i}", 0)] == ref for i, ref in enumerate(references)]
+    agreement = sum(a == b for i, ref in enumerate(references) for a, b in zip(out[(f"r{i}", 0)], ref))
+    print(f"enforce_eager={enforce_eager}: {sum(matches)}/{len(matches)} sequences equal, "
+          f"{agreement}/{MAX_TOKENS * len(references)} tokens")
+    assert all(matches)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    # Sampling runs on the GPU too.
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=40, seed=7, logprobs=3)
+    a = engine.generate([EngineRequest("s", prompts[1], seeded)])
+    b = engine.generate([EngineRequest("s", prompts[1], seeded), EngineRequest("t", prompts[2], sp)])
+    assert a[("s", 0)] == b[("s", 0)]
+
+
+def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
+    """bfloat16 rounds differently in every kernel, so a near-tie may go either way and the texts then part. So
+    each engine token (flash varlen attention, graph decodes) is checked against transformers' logits for the
+    engine's own text: it must be the argmax or within bfloat16 noise of it; a wrong attention is logits off."""
+    from enginecore.engine import EngineCore
+    from enginecore.loader import load_model
+    from ipc.config import ServeConfig
+    from ipc.messages import EngineRequest
+    from ipc.sampling import SamplingParams
+
+    bf16 = load_model(loaded.model_dir, "cuda", "bfloat16")
+    config = ServeConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
+                         max_num_batched_tokens=512)
+    engine = EngineCore(config, loaded=bf16)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+    bf16.model.set_attn_implementation("sdpa")
+    gaps = []
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            tokens = out[(f"r{i}", 0)]
+            logits = bf16.model(torch.tensor([p + tokens], device="cuda")).logits[0, len(p) - 1:-1].float()
+            chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+            gaps += (logits.max(dim=1).values - chosen).tolist()
+    exact = sum(g == 0 for g in gaps)
+    print(f"bfloat16: {exact}/{len(gaps)} tokens are transformers' argmax, largest gap {max(gaps):.3f} logits")
+    assert max(gaps) < 0.25 and exact >= 0.8 * len(gaps)
+
+
+def test_varlen_step_matches_per_sequence_attention():
+    """bfloat16: one flash varlen call for the whole step (a decode, fresh prompts, a chunk after cached context)
+    equals the batched decode plus SDPA run by run."""
+    from types import SimpleNamespace
+
+    from enginecore import attention
+    from enginecore.kv_cache import KVCache, KVShape
+    from enginecore.sequence import Sequence
+    from enginecore.step_inputs import build_step_inputs
+    from ipc.sampling import SamplingParams
+
+    device = torch.device("cuda")
+    if not attention.flash_varlen_works(device, torch.bfloat16, 9, 3, 64):
+        pytest.skip("no flash varlen attention in this torch build")
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = KVCache(KVShape(1, 3, 64), 64, 16, torch.bfloat16, device)
+    cache.tensor.normal_(generator=g)
+    blocks = iter(torch.randperm(64).tolist())
+
+    def seq(computed: int, total: int) -> Sequence:
+        return Sequence(seq_id=0, request_id="x", client=None, index=0, token_ids=[0] * total, num_prompt_tokens=total,
+                        sampling=SamplingParams(), priority=0, arrival=0, num_computed_tokens=computed,
+                        block_table=[next(blocks) for _ in range(-(-total // 16))])
+
+    entries = [(seq(50, 51), 1), (seq(0, 30), 30), (seq(40, 60), 20), (seq(0, 90), 70)]
+    tokens = sum(n for _, n in entries)
+    q = torch.randn(1, 9, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 3, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 3, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
+    module = SimpleNamespace(layer_idx=0)
+    attention.current.kv_cache = cache
+    outs = []
+    for varlen in (True, False):
+        attention.current.step = build_step_inputs(entries, 16, device, varlen=varlen).attention
+        assert (attention.current.step.varlen is not None) == varlen
+        outs.append(attention.paged_attention(module, q, k, v, None, scaling=0.125)[0].float())
+    attention.current.step = None
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
