@@ -47,6 +47,7 @@ async def _keep_in_flight(client: HttpClient, path: str, body: bytes, concurrenc
                 continue
             if status != 200:
                 errors[str(status)] += 1
+                await asyncio.sleep(0.01)  # an overloaded server's 503s must not become a spin either
                 continue
             counts = _COMPLETION_TOKENS.findall(tail)
             done["requests"] += 1

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", type=int, nargs="+", default=[n for n in (1, 2, 4, 8) if n <= cores],
                    help="API server counts to sweep (default: 1, 2, 4, 8 up to the core count)")
     p.add_argument("--sim-ms", type=float, default=1.0, help="the simulated engine's step interval")
+    p.add_argument("--engines", type=int, default=1 if cores < 8 else cores // 4,
+                   help="simulated engine cores (--data-parallel-size): one process paces at most ~60k tokens/s "
+                        "on this box, so many API servers need several (default: 1, or a quarter of 8+ cores)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of each measured phase")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each phase, not measured")
     p.add_argument("--request-concurrency", type=int, default=32, help="requests in flight per API server")
@@ -126,7 +129,8 @@ def measure_ours(clients: ClosedLoopClients, count: int, args) -> dict:
     for sim_ms, names, per_server in ((args.sim_ms, ("requests", "streams"), None),
                                       (args.paced_sim_ms, ("paced",), args.paced_concurrency)):
         model = f"sim:{sim_ms:g}"
-        server = start_supervise(["--model", model, "--api-server-count", str(count)], args.server_timeout)
+        server = start_supervise(["--model", model, "--api-server-count", str(count),
+                                  "--data-parallel-size", str(args.engines)], args.server_timeout)
         try:
             group = titled_children(server.pid)
             api = {k: v for k, v in group.items() if k.startswith("ApiServer_")}
@@ -183,18 +187,22 @@ COLUMNS = (  # header, row key, format, width
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'server':<22}" + "".join(f"{h:>{w}}" for h, _, _, w in COLUMNS) + f"{'engine%':>8}{'client%':>8}{'errors':>7}")
+    header = "".join(f"{h:>{w}}" for h, _, _, w in COLUMNS)
+    width = max(22, *(len(r["label"]) + 1 for r in rows))
+    print(f"{'server':<{width}}{header}{'engine%':>8}{'client%':>8}{'errors':>7}")
     for r in rows:
         busiest = r["phases"].get("streams") or r["phases"]["paced"]
+        # the busiest engine process: the one that would cap the throughput
         engine = max((v for k, v in busiest["other_cpu_share"].items() if "Engine" in k or "child" in k), default=0)
         errors = sum(sum(p["errors"].values()) for p in r["phases"].values())
-        print(f"{r['label']:<22}" + "".join(_cell(r[k], f, w) for _, k, f, w in COLUMNS)
+        print(f"{r['label']:<{width}}" + "".join(_cell(r[k], f, w) for _, k, f, w in COLUMNS)
               + f"{engine * 100:>8.0f}{busiest['client_cpu_share'] * 100:>8.0f}{errors:>7}")
     print(f"targets: <= {TARGETS['us_per_request']:g} us of API-server CPU per 1-token chat completion, "
-          f"<= {TARGETS['us_per_token']:g} us per streamed token (paced), < {TARGETS['rss_mb']:g} MB RSS per API server")
+          f"<= {TARGETS['us_per_token']:g} us per streamed token (paced), "
+          f"< {TARGETS['rss_mb']:g} MB RSS per API server")
     print("us/req, us/tok: CPU of all API servers together per request / per streamed token; eff: throughput of N / "
           "(N x throughput of one);\nev/tok: SSE events per token (below 1: tokens coalesced under saturation); "
-          "engine%, client%: their CPU share in the saturated stream phase")
+          "engine%: the busiest engine process's CPU share, client%: the clients' (saturated stream phase)")
 
 
 def main(argv=None) -> int:
@@ -211,9 +219,10 @@ def main(argv=None) -> int:
     finally:
         clients.close()
     add_efficiency(rows)
-    setup = (f"simulated engine sim:{args.sim_ms:g}; per API server {args.request_concurrency} requests or "
-             f"{args.stream_concurrency} streams of {args.stream_tokens} tokens in flight; {args.duration:g} s "
-             f"phases; {args.client_processes} client process(es); {os.cpu_count()} cores")
+    setup = (f"per API server: {args.request_concurrency} 1-token requests or {args.stream_concurrency} streams of "
+             f"{args.stream_tokens} tokens on sim:{args.sim_ms:g}, {args.paced_concurrency} paced streams of "
+             f"{args.paced_tokens} tokens on sim:{args.paced_sim_ms:g}; {args.duration:g} s phases; "
+             f"{args.engines} simulated engine(s), {args.client_processes} client process(es); {os.cpu_count()} cores")
     print(f"\n{setup}")
     print_table(rows)
     if args.result_json:

@@ -24,7 +24,8 @@ def plot_frontend(rows: list[dict], title: str, path: str, targets: dict[str, fl
     scale_ax.legend(fontsize=8)
 
     cpu_ax.plot(counts, [row["api_cpu_us_per_request"] for row in rows], marker="o", label="us per request")
-    cpu_ax.plot(counts, [row["api_cpu_us_per_token"] for row in rows], marker="s", label="us per streamed token (paced)")
+    cpu_ax.plot(counts, [row["api_cpu_us_per_token"] for row in rows], marker="s",
+                label="us per streamed token (paced)")
     cpu_ax.plot(counts, [row["api_cpu_us_per_token_saturated"] for row in rows], marker="^",
                 label="us per streamed token (saturated)")
     for key, color, unit in (("us_per_request", "C0", "us/request"), ("us_per_token", "C1", "us/token")):

@@ -17,7 +17,8 @@ R = TypeVar("R")
 
 
 async def run_load(send: Callable[[T], Awaitable[R]], items: Sequence[T], max_concurrency: int | None,
-                   request_rate: float = math.inf, seed: int = 0, deadline: float | None = None) -> tuple[list[R], float]:
+                   request_rate: float = math.inf, seed: int = 0,
+                   deadline: float | None = None) -> tuple[list[R], float]:
     """Every item sent once (those not started by `deadline`, a time.monotonic() value, are skipped);
     the results in item order, and the seconds from the first send to the last result."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None

@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", action="append", default=[], help="a server to load (repeat for side by side)")
     p.add_argument("--model", action="append", default=[],
                    help="model name for the --base-url servers: once for all, or once per URL in order")
-    p.add_argument("--label", action="append", default=[], help="a name per server in the table and plot")
+    p.add_argument("--label", action="append", default=[],
+                   help="a name per --base-url server in the table and plot (ours is `supervise`)")
     p.add_argument("--start-supervise", metavar="ARGS", default=None,
                    help='start our supervise with these options first (e.g. "--model sim:10"; "" for defaults)')
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
@@ -90,7 +91,8 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
         warm, _ = await run_load(one, bodies(warmup), max_concurrency=args.max_concurrency)
         cpu_before = time.process_time()
         deadline = time.monotonic() + args.max_duration if args.max_duration else None
-        records, duration = await run_load(one, bodies(prompts), args.max_concurrency, args.request_rate, args.seed, deadline)
+        records, duration = await run_load(one, bodies(prompts), args.max_concurrency, args.request_rate, args.seed,
+                                           deadline)
         client_cpu = time.process_time() - cpu_before
     finally:
         client.close()
@@ -165,14 +167,15 @@ def main(argv=None) -> int:
     try:
         import uvloop
 
-        uvloop.install()
+        run_loop = uvloop.run  # a cheaper event loop: the client shares the CPU with the server
     except ImportError:
-        pass
+        run_loop = asyncio.run
     runs = []
     try:
         for i, (url, label) in enumerate(targets):
-            run = asyncio.run(measure(api_base(url), _model_for(args, i - (server is not None)), warmup, prompts, args))
-            run["label"] = (args.label[i] if i < len(args.label) else None) or label or url
+            url_index = i - (server is not None)  # --model and --label pair with --base-url
+            run = run_loop(measure(api_base(url), _model_for(args, url_index), warmup, prompts, args))
+            run["label"] = label or (args.label[url_index] if url_index < len(args.label) else url)
             runs.append(run)
             print(f"{run['label']}: {run['summary']['completed']} requests in {run['summary']['duration_s']:.1f} s",
                   flush=True)

@@ -19,15 +19,17 @@ def plot_latency_cdfs(runs: list[tuple[str, dict[str, list[float]]]], title: str
     """`runs`: (label, samples by metric, in ms) for each server measured."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (metric, label) in zip(axes.flat, PANELS):
+        tails = []
         for run_label, samples in runs:
             values = np.sort(np.asarray(samples.get(metric) or []))
             if values.size:
                 ax.plot(values, np.arange(1, values.size + 1) / values.size, label=run_label)
+                tails.append(np.percentile(values, 99.5))
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests" if metric != "itl_ms" else "fraction of tokens")
         ax.grid(alpha=0.3)
-        if metric == "itl_ms":
-            ax.set_xscale("symlog", linthresh=1.0)
+        if metric == "itl_ms" and tails:
+            ax.set_xlim(0, max(tails) * 1.05)  # a few stalls would squash the curve: the last 0.5% is off the edge
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
