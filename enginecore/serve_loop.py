@@ -9,6 +9,8 @@ Messages that arrive during a step's forward pass wait in ZMQ's queue and are ta
 from __future__ import annotations
 
 import logging
+import signal
+import socket
 
 import zmq
 
@@ -27,6 +29,13 @@ class EngineServer:
         self.clients: set[bytes] = set()  # every API server heard from: they all hear of our death
         self._poller = zmq.Poller()
         self._poller.register(router, zmq.POLLIN)
+        # A signal may land on any thread (zmq's, OpenMP's); Python runs its handler in the main thread only
+        # once that thread is back in Python, which an idle poll() never is. The wakeup fd makes poll() return.
+        self._wakeup, wakeup_write = socket.socketpair()
+        wakeup_write.setblocking(False)
+        self._wakeup_write = wakeup_write  # kept open for the process's life
+        signal.set_wakeup_fd(wakeup_write.fileno(), warn_on_full_buffer=False)
+        self._poller.register(self._wakeup, zmq.POLLIN)
         self._utilities = {
             "ping": lambda: "pong",
             "stats": core.stats,
@@ -36,7 +45,10 @@ class EngineServer:
     def serve_forever(self) -> None:
         while True:
             busy = self.core.has_work()
-            if self._poller.poll(0 if busy else None):
+            events = dict(self._poller.poll(0 if busy else None))
+            if self._wakeup in events:
+                self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
+            if self.router in events:
                 self._take_messages()
             if self.core.has_work():
                 self._send_outputs(self.core.step())
