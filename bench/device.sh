@@ -2,7 +2,8 @@
 # The benchmarks on a machine with an NVIDIA GPU (one H200 here), in one go, under 8 minutes:
 #   1. install the project's missing dependencies from the wheels in .whl (made by bench/device_prepare.sh);
 #   2. make a SmolLM2-135M model with random weights in bfloat16 from .device/smollm2 (config + real tokenizer);
-#   3. bench/engine.py: the engine core against plain transformers, 256 requests of 128 + 128 tokens;
+#   3. tests/test_engine_cuda.py, then bench/engine.py: the engine core against plain transformers, 256 requests
+#      of 128 + 128 tokens;
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <that model>` under 256 concurrent streams.
 # Every figure and log goes to $OUT (flat, at most 8 files); each step has its own timeout and a failed
@@ -72,6 +73,9 @@ main() {
 'transformers', transformers.__version__)"
   step stage-tokenizer 60 "$PYTHON" bench/stage_embedded_model.py .device/smollm2 "$SITE"
   step random-model 90 "$PYTHON" bench/make_random_model.py .device/smollm2 "$MODEL_DIR" --dtype "$DTYPE"
+  # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs (skipped with --cpu).
+  [ "$CPU" = 1 ] || step gpu-tests 120 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
+tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
   # shellcheck disable=SC2086  # the ARGS variables are word lists on purpose
   step engine 150 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$MODEL_DIR' --device $DEVICE \
 --dtype $DTYPE $ENGINE_ARGS | tee '$OUT/engine.txt'"
