@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from ipc.sampling import SamplingParams
 
 
+class Record:
+    """A message body: a dataclass whose fields orjson writes as a dict; from_dict rebuilds it."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**d)
+
+
 class Kind:
     """First frame of every message: one byte that says which record the second frame holds."""
 
@@ -29,7 +37,7 @@ class FinishReason:
 
 
 @dataclass
-class EngineRequest:
+class EngineRequest(Record):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -43,36 +51,27 @@ class EngineRequest:
 
 
 @dataclass
-class AbortRequests:
+class AbortRequests(Record):
     request_ids: list[str]
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "AbortRequests":
-        return cls(**d)
 
 
 @dataclass
-class UtilityCall:
+class UtilityCall(Record):
     """A named method of the engine core (`ping`, `stats`, `reset_prefix_cache`) called by an API server."""
 
     call_id: int
     method: str
     args: list = field(default_factory=list)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "UtilityCall":
-        return cls(**d)
 
 
 @dataclass
-class UtilityResult:
+class UtilityResult(Record):
     call_id: int
     result: object = None
     error: str | None = None
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "UtilityResult":
-        return cls(**d)
 
 
 @dataclass
@@ -95,7 +94,7 @@ class RequestOutput:
 
 
 @dataclass
-class EngineOutputs:
+class EngineOutputs(Record):
     outputs: list[RequestOutput]
     # The engine's load after this step, so API servers can report and balance.
     num_running: int = 0
@@ -109,12 +108,9 @@ class EngineOutputs:
 
 
 @dataclass
-class EngineDead:
+class EngineDead(Record):
     reason: str
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "EngineDead":
-        return cls(**d)
 
 
 RECORD_OF_KIND = {

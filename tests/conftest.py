@@ -6,11 +6,8 @@ from tests.supervise_process import Supervise
 @pytest.fixture(scope="session")
 def served():
     """The embedded model behind 2 API servers, shared by the tests that only talk to it."""
-    server = Supervise("--api-server-count", "2")
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--api-server-count", "2") as server:
+        yield server
 
 
 @pytest.fixture

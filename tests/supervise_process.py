@@ -26,6 +26,17 @@ class Supervise:
         )
         self.url: str | None = None
 
+    def __enter__(self) -> "Supervise":
+        """`with Supervise(...) as server:` serves inside the block and leaves nothing behind after it."""
+        try:
+            return self.wait_serving()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     @property
     def pid(self) -> int:
         return self.proc.pid

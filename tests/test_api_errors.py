@@ -11,11 +11,8 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def sim():
-    server = Supervise("--model", MODEL, "--max-model-len", "512")
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--model", MODEL, "--max-model-len", "512") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,8 @@ SECONDS_PER_OPERATION = 12.0
 
 @pytest.fixture(scope="module")
 def fuzzed():
-    server = Supervise("--model", MODEL, "--max-model-len", "96", env={"SUPERVISE_DEV_MODE": "1"})
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--model", MODEL, "--max-model-len", "96", env={"SUPERVISE_DEV_MODE": "1"}) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,8 @@ SENTENCE_TOKENS = 38  # SENTENCE's token count with the embedded tokenizer; EOS 
 
 @pytest.fixture(scope="module")
 def sim():
-    server = Supervise("--model", MODEL, "--api-server-count", "2")
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--model", MODEL, "--api-server-count", "2") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

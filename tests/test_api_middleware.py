@@ -36,17 +36,14 @@ async def stamp_function(request, call_next):
 
 @pytest.fixture(scope="module")
 def guarded():
-    server = Supervise(
+    with Supervise(
         "--model", MODEL, "--api-key", KEY, "--allowed-origins", '["https://app.example"]',
         "--enable-request-id-headers",
         "--middleware", "tests.test_api_middleware:StampMiddleware",
         "--middleware", "tests.test_api_middleware:stamp_function",
         env={"PYTHONPATH": REPO},
-    )
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    ) as server:
+        yield server
 
 
 def auth(key: str = KEY) -> dict:

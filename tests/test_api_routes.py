@@ -13,14 +13,11 @@ HELLO = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def full():
     """One API server with every optional route on, in development mode."""
-    server = Supervise(
+    with Supervise(
         "--model", MODEL, "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
         "--enable-prompt-tokens-details", env={"SUPERVISE_DEV_MODE": "1"},
-    )
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +110,8 @@ def test_development_routes(http, full):
 @pytest.fixture(scope="module")
 def plain():
     """Two API servers, docs off, no optional routes, not in development mode."""
-    server = Supervise("--model", MODEL, "--api-server-count", "2", "--disable-docs")
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--model", MODEL, "--api-server-count", "2", "--disable-docs") as server:
+        yield server
 
 
 def test_optional_routes_are_off_by_default(plain):

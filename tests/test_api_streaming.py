@@ -20,11 +20,8 @@ def long_stream(model: str, max_tokens: int = 2000) -> dict:
 @pytest.fixture(scope="module")
 def slow():
     """A step every 100 ms, keep-alive comments after 30 ms of silence, development routes for engine stats."""
-    server = Supervise("--model", "sim:100", "--sse-keep-alive-interval", "0.03", env={"SUPERVISE_DEV_MODE": "1"})
-    try:
-        yield server.wait_serving()
-    finally:
-        server.stop()
+    with Supervise("--model", "sim:100", "--sse-keep-alive-interval", "0.03", env={"SUPERVISE_DEV_MODE": "1"}) as server:
+        yield server
 
 
 def test_keep_alive_comments_while_idle(slow):

@@ -19,6 +19,20 @@ def model_of(server) -> str:
     return httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
 
 
+def start_long_requests(server, count: int) -> None:
+    """`count` requests of 5000 tokens (50 s at sim:10) in background threads; their fate is not checked."""
+    body = {"model": model_of(server), "prompt": "x", "max_tokens": 5000, "ignore_eos": True}
+
+    def send():
+        try:
+            httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        except httpx.HTTPError:
+            pass
+
+    for _ in range(count):
+        threading.Thread(target=send, daemon=True).start()
+
+
 def test_sigterm_with_the_real_model_exits_0_and_leaves_no_process(start_supervise):
     server = start_supervise("--api-server-count", "2")
     titles = sorted(t for c in server.children() if (t := title_of(c)).startswith("supervise:"))
@@ -196,17 +210,7 @@ def test_notify_socket_gets_ready_then_stopping(start_supervise, tmp_path):
 
 def test_second_sigterm_stops_at_once(start_supervise):
     server = start_supervise(*SIM, "--shutdown-timeout", "60")
-    model = model_of(server)
-
-    def endless():
-        try:
-            httpx.post(f"{server.base_url}/completions",
-                       json={"model": model, "prompt": "x", "max_tokens": 5000, "ignore_eos": True}, timeout=60)
-        except httpx.HTTPError:
-            pass
-
-    client = threading.Thread(target=endless, daemon=True)
-    client.start()
+    start_long_requests(server, 1)
     time.sleep(0.5)
     children = server.children()
     server.signal(signal.SIGTERM)
@@ -236,16 +240,7 @@ def test_a_killed_server_frees_its_admitted_requests(start_supervise):
     # admit new requests: the dead server's counts go with it.
     server = start_supervise(*SIM, "--max-num-queued-reqs", "2")
     model = model_of(server)
-
-    def endless():
-        try:
-            httpx.post(f"{server.base_url}/completions",
-                       json={"model": model, "prompt": "x", "max_tokens": 5000, "ignore_eos": True}, timeout=60)
-        except httpx.HTTPError:
-            pass
-
-    for _ in range(2):
-        threading.Thread(target=endless, daemon=True).start()
+    start_long_requests(server, 2)
     time.sleep(1.0)
     body = {"model": model, "prompt": "a", "max_tokens": 2}
     assert httpx.post(f"{server.base_url}/completions", json=body, timeout=10).status_code == 503

@@ -1,0 +1,35 @@
+"""The IPC contract: every record survives the trip through its frames, and garbage is refused, not guessed at."""
+import orjson
+import pytest
+
+from ipc.codec import decode, encode
+from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, Kind, RequestOutput, UtilityCall,
+                          UtilityResult)
+from ipc.sampling import SamplingParams
+
+RECORDS = [
+    EngineRequest("req-1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], n=2), 3, 1.5),
+    AbortRequests(["req-1", "req-2"]),
+    UtilityCall(4, "stats", [1]),
+    UtilityResult(4, {"num_kv_blocks": 10}, None),
+    EngineOutputs([RequestOutput("req-1", [5, 6], 1, "stop", 7, 3, 0, [[-0.5, [[5, -0.5]]]])], 2, 1, 0.25),
+    EngineDead("engine core 0 failed: RuntimeError: boom"),
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_round_trip(record):
+    frames = encode(record)
+    assert len(frames) == 2
+    assert decode(frames) == record
+
+
+@pytest.mark.parametrize("frames", [
+    [Kind.ADD],
+    [b"?", orjson.dumps({})],
+    [Kind.ABORT, b"not json"],
+    [Kind.ADD, orjson.dumps({"request_id": "a"})],
+])
+def test_malformed_frames_raise(frames):
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        decode(frames)
