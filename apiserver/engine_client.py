@@ -197,7 +197,7 @@ class EngineClient:
             frames = await sock.recv_multipart()
             try:
                 record = codec.decode(frames)
-            except (ValueError, TypeError, KeyError) as exc:
+            except codec.MalformedMessage as exc:
                 log.error("dropped a malformed message from engine %d: %s", engine, exc)
                 continue
             if isinstance(record, EngineOutputs):

@@ -15,7 +15,7 @@ import socket
 import zmq
 
 from enginecore.engine import EngineCore
-from ipc.codec import decode, encode
+from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
                           UtilityResult)
 
@@ -63,7 +63,7 @@ class EngineServer:
             self.clients.add(identity)
             try:
                 record = decode(payload)
-            except Exception as exc:  # a malformed message must not kill the engine
+            except MalformedMessage as exc:  # a malformed message must not kill the engine
                 log.warning("ignoring a malformed message from %r: %s", identity, exc)
                 continue
             self._handle(identity, record)

@@ -277,7 +277,7 @@ def _receive_all(router: zmq.Socket, engine: SimulatedEngine) -> None:
         engine.identities.add(identity)
         try:
             record = codec.decode(frames)
-        except (ValueError, TypeError, KeyError) as exc:
+        except codec.MalformedMessage as exc:
             log.error("dropped a malformed message from %r: %s", identity, exc)
             continue
         if isinstance(record, EngineRequest):

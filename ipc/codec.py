@@ -10,12 +10,19 @@ def encode(record) -> list[bytes]:
     return [KIND_OF_RECORD[type(record)], orjson.dumps(record)]
 
 
+class MalformedMessage(ValueError):
+    """Frames that are not a record of the contract. Every receiver drops such a message and carries on."""
+
+
 def decode(frames: list[bytes]):
-    """The record carried by `frames` ([kind, body]); raises ValueError on anything else."""
+    """The record carried by `frames` ([kind, body]); raises MalformedMessage on anything else."""
     if len(frames) != 2:
-        raise ValueError(f"expected 2 frames, got {len(frames)}")
+        raise MalformedMessage(f"expected 2 frames, got {len(frames)}")
     kind, body = frames
     record_type = RECORD_OF_KIND.get(bytes(kind))
     if record_type is None:
-        raise ValueError(f"unknown message kind {bytes(kind)!r}")
-    return record_type.from_dict(orjson.loads(body))
+        raise MalformedMessage(f"unknown message kind {bytes(kind)!r}")
+    try:
+        return record_type.from_dict(orjson.loads(body))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # bad JSON, missing or unknown fields
+        raise MalformedMessage(f"bad {record_type.__name__}: {exc}") from None

@@ -2,7 +2,7 @@
 import orjson
 import pytest
 
-from ipc.codec import decode, encode
+from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, Kind, RequestOutput, UtilityCall,
                           UtilityResult)
 from ipc.sampling import SamplingParams
@@ -29,7 +29,9 @@ def test_round_trip(record):
     [b"?", orjson.dumps({})],
     [Kind.ABORT, b"not json"],
     [Kind.ADD, orjson.dumps({"request_id": "a"})],
+    [Kind.ABORT, orjson.dumps({"request_ids": [], "bogus": 1})],
+    [Kind.OUTPUTS, orjson.dumps([1, 2])],
 ])
 def test_malformed_frames_raise(frames):
-    with pytest.raises((ValueError, TypeError, KeyError)):
+    with pytest.raises(MalformedMessage):
         decode(frames)
