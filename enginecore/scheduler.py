@@ -4,7 +4,9 @@ Continuous batching under a token budget (max_num_batched_tokens) and a sequence
 running sequences first (decodes, then the rest of prompts being prefilled in chunks), then new prompts from the
 waiting queue, the last one cut to what is left of the budget (chunked prefill). When the KV pool runs out of
 blocks the newest, lowest-priority running sequence is preempted: its blocks are freed and it goes back to the
-waiting queue to be recomputed later (prompt and generated tokens alike), so no request is ever lost.
+waiting queue to be recomputed later (prompt and generated tokens alike), so no request is ever lost. Under the
+priority policy a waiting request also preempts a running one of a worse priority when there is no room for it
+(no sequence slot or no blocks), as vLLM's priority scheduling does.
 
 Order everywhere is (priority, arrival): with the fcfs policy every priority is 0, so it is arrival order.
 """
@@ -90,25 +92,32 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             while not self._reserve(seq, n, batch.block_copies):
                 victim = self.running[-1]
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim, batch)
+                budget += self._preempt_lowest_running(scheduled, batch)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 scheduled[seq] = n
                 budget -= n
 
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        while budget > 0:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            if len(self.running) >= self.max_num_seqs:
+                if not self._outranks_lowest_running(seq):
+                    break
+                budget += self._preempt_lowest_running(scheduled, batch)
+                continue
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             reserve_ok = (not self.running or self._blocks_needed(seq, n) + self._watermark <= self.pool.num_free)
             if not (reserve_ok and self._reserve(seq, n, batch.block_copies)):
-                self._free_blocks(seq)  # give back the prefix hits too; it tries again next step
-                break
+                self._free_blocks(seq)  # give back the prefix hits too; it tries again (next step, or below)
+                if not self._outranks_lowest_running(seq):
+                    break
+                budget += self._preempt_lowest_running(scheduled, batch)
+                continue
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
@@ -120,6 +129,18 @@ class Scheduler:
         ones = [(s, n) for s, n in scheduled.items() if n == 1]
         batch.entries = ones + [(s, n) for s, n in scheduled.items() if n != 1]
         return batch
+
+    def _outranks_lowest_running(self, seq: Sequence) -> bool:
+        """A waiting sequence of a strictly better priority (lower value) than the last running one takes its
+        place when there is no room for both. Only the priority counts, not arrival: two requests of the same
+        priority never preempt each other, so the fcfs policy (every priority 0) never preempts for admission."""
+        return bool(self.running) and seq.priority < self.running[-1].priority
+
+    def _preempt_lowest_running(self, scheduled: dict[Sequence, int], batch: ScheduledBatch) -> int:
+        """Preempt the lowest-ranked running sequence; the token budget it had been given this step comes back."""
+        victim = self.running[-1]
+        self._preempt(victim, batch)
+        return scheduled.pop(victim, 0)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))

@@ -115,6 +115,67 @@ def test_priority_policy_runs_lower_values_first(prompts):
     assert finished == ["p1", "p3", "p2", "p0"]
 
 
+def _greedy(request_id, prompt, max_tokens, priority):
+    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), priority=priority)
+
+
+def _run_with_late_urgent_request(engine, prompts, low_priorities):
+    """Start low-priority greedy requests, then add an urgent one (priority 0) once they are decoding. Returns the
+    order they finished in, every output, and the request ids preempted along the way."""
+    preempted = []
+    original = engine.scheduler._preempt
+
+    def spy(seq, batch):
+        preempted.append(seq.request_id)
+        original(seq, batch)
+
+    engine.scheduler._preempt = spy
+    for i, priority in enumerate(low_priorities):  # 85 prompt tokens: 6 blocks of 16, 7 by the 16th token
+        engine.add_request(_greedy(f"low{i}", prompts[3], 16, priority))
+    outputs, finished = {}, []
+    for step in range(200):
+        if step == 3:
+            engine.add_request(_greedy("urgent", prompts[2], 4, priority=0))
+        for _, out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.append(out.request_id)
+        if not engine.has_work():
+            break
+    return finished, outputs, preempted
+
+
+def test_urgent_request_preempts_a_lower_priority_one_when_no_slot_is_free(prompts):
+    engine = make_engine(scheduling_policy="priority", max_num_seqs=2)
+    finished, outputs, preempted = _run_with_late_urgent_request(engine, prompts, [5, 3])
+    assert preempted == ["low0"]  # the worse priority (higher value) of the two gives way
+    assert finished[0] == "urgent"
+    assert outputs["urgent"] == reference_greedy(prompts[2], 4)
+    for request_id in ("low0", "low1"):  # recomputed after preemption: nothing lost, repeated or changed
+        assert outputs[request_id] == reference_greedy(prompts[3], 16)
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_urgent_request_preempts_a_lower_priority_one_when_no_block_is_free(prompts):
+    from tests.test_engine_correctness import engine_block_bytes
+
+    # 15 blocks: the two low-priority sequences hold 12 when the urgent one (3 blocks) arrives, 1 kept in reserve.
+    engine = make_engine(scheduling_policy="priority", kv_cache_memory=15 * engine_block_bytes(),
+                         enable_prefix_caching=False)  # the two low ones would share their prompt blocks
+    finished, outputs, preempted = _run_with_late_urgent_request(engine, prompts, [5, 3])
+    assert preempted == ["low0"]
+    assert finished[0] == "urgent"
+    for request_id in ("low0", "low1"):
+        assert outputs[request_id] == reference_greedy(prompts[3], 16)
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_fcfs_never_preempts_for_a_newcomer(prompts):
+    engine = make_engine(max_num_seqs=2)  # fcfs: the request's priority field is ignored
+    finished, _, preempted = _run_with_late_urgent_request(engine, prompts, [5, 3])
+    assert preempted == [] and finished[-1] == "urgent"
+
+
 @pytest.mark.parametrize("params, expected", [
     (dict(), [0.2, 0.3, 0.5]),
     (dict(temperature=0.5), [0.2 ** 2 / 0.38, 0.3 ** 2 / 0.38, 0.5 ** 2 / 0.38]),
