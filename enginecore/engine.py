@@ -18,6 +18,7 @@ import torch
 
 from enginecore import model_facts
 from enginecore.block_pool import KVBlockPool
+from enginecore.cpu_weights import store_linear_weights_column_major
 from enginecore.kv_cache import KVCache, KVShape, cpu_num_blocks
 from enginecore.loader import BadEngineSetting, LoadedModel, load_model, set_cpu_threads
 from enginecore.model_runner import ModelRunner
@@ -44,6 +45,7 @@ class EngineCore:
             loaded = load_model(config.model, config.device, config.dtype)
         if loaded.device.type == "cpu":
             set_cpu_threads()
+            store_linear_weights_column_major(loaded.model)
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = config.block_size

@@ -67,3 +67,14 @@ def engine_block_bytes() -> int:
 
     loaded = loaded_model()
     return KVShape.of(loaded.hf_config).bytes_per_block(16, loaded.dtype)
+
+
+def test_cpu_engine_lays_linear_weights_column_major_but_keeps_the_tied_head():
+    engine = make_engine()
+    model = engine.loaded.model
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.stride() == (1, q_proj.shape[0])  # [out, in] seen through a contiguous [in, out]
+    embedding = model.get_input_embeddings().weight
+    assert embedding.is_contiguous()  # lookups read whole rows
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is embedding
