@@ -67,7 +67,10 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 
 def set_cpu_threads() -> None:
-    """The engine core is the only compute process of the group: give torch every core it may run on."""
+    """The engine core is the only compute process of the group: give torch every core it may run on, unless the
+    operator chose a number with OMP_NUM_THREADS (torch already took it from there)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
