@@ -19,7 +19,7 @@ PROMPT_CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tokenizer", "_stream", "_stops", "_hold", "_include_stop", "text", "_sent", "stop_reason")
+    __slots__ = ("_tokenizer", "_stream", "_stops", "_hold", "_include_stop", "_unsent", "stop_reason")
 
     def __init__(
         self,
@@ -36,8 +36,10 @@ class IncrementalDetokenizer:
         # Characters at the end of the text that could still grow into a stop string.
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._include_stop = include_stop_str_in_output
-        self.text = ""
-        self._sent = 0
+        # Only the text not handed out yet is kept: appending to the whole text would copy it all on every
+        # token. A stop string cannot begin in text already handed out, because the last `_hold` characters
+        # are always held back.
+        self._unsent = ""
         self.stop_reason: str | None = None  # the stop string that ended the text
 
     def add_tokens(self, token_ids: list[int]) -> int:
@@ -48,33 +50,33 @@ class IncrementalDetokenizer:
         for used, token_id in enumerate(token_ids, 1):
             piece = step(tokenizer, token_id)
             if piece:
-                start = len(self.text)
-                self.text += piece
+                start = len(self._unsent)
+                self._unsent += piece
                 if self._stops and self._find_stop(start):
                     return used
         return len(token_ids)
 
     def _find_stop(self, new_text_start: int) -> bool:
-        text = self.text
+        text = self._unsent
         found_at, found = -1, None
         for stop in self._stops:
-            # A match may begin in the old text: it can only end in the new one.
+            # A match may begin in the older unsent text: it can only end in the new one.
             at = text.find(stop, max(0, new_text_start - len(stop) + 1))
             if at >= 0 and (found is None or at < found_at):
                 found_at, found = at, stop
         if found is None:
             return False
-        self.text = text[: found_at + len(found)] if self._include_stop else text[:found_at]
+        self._unsent = text[: found_at + len(found)] if self._include_stop else text[:found_at]
         self.stop_reason = found
         return True
 
     def take_delta(self, final: bool = False) -> str:
         """The text not handed out yet, minus what might still turn into a stop string unless `final`."""
-        end = len(self.text)
+        unsent = self._unsent
+        end = len(unsent)
         if not final and self._hold and self.stop_reason is None:
-            end = max(self._sent, end - self._hold)
-        if end <= self._sent:
+            end -= self._hold
+        if end <= 0:
             return ""
-        delta = self.text[self._sent:end]
-        self._sent = end
-        return delta
+        self._unsent = unsent[end:]
+        return unsent[:end]

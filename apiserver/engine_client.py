@@ -1,6 +1,12 @@
-"""The API server's side of the IPC contract: one DEALER per engine core, one reader task per engine.
+"""The API server's side of the IPC contract: one DEALER per engine core, read from the event loop directly.
 
-Each request gets a RequestStream (a list plus a future, lighter than an asyncio.Queue) that the reader task
+The sockets are plain (blocking-API) ZMQ sockets used only with NOBLOCK: the loop watches each socket's FD
+and, when it signals, a callback drains every waiting message. zmq.asyncio would cost a future, a few
+callbacks and a dozen enum operations per message, on the path of every engine step. ZMQ's FD is
+edge-triggered and a send can consume the edge of an incoming message, so after every send the socket is
+checked for input too.
+
+Each request gets a RequestStream (a list plus a future, lighter than an asyncio.Queue) that the reader
 fills with the request's RequestOutputs as they arrive, one batch per engine step. A request goes to the least
 loaded engine, counted as this server's requests in flight there plus what the engine last reported waiting.
 ENGINE_DEAD (or the supervisor marking an engine dead in shared memory) fails every waiting request at once.
@@ -13,7 +19,6 @@ import logging
 import time
 
 import zmq
-import zmq.asyncio
 
 from ipc import codec
 from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
@@ -80,29 +85,33 @@ class RequestStream:
 
 class EngineClient:
     def __init__(self, addresses: list[str], index: int, on_in_flight=None):
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity) for address in addresses]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = [False] * len(addresses)
         self._streams: dict[str, RequestStream] = {}
         self._in_flight = [0] * len(addresses)  # this server's requests at each engine
         self._waiting = [0] * len(addresses)  # what each engine last reported waiting
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
-        self._readers: list[asyncio.Task] = []
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
         self.dead_reason: str | None = None
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
-        """Start the readers, then ping every engine: returns once all answered, raises TimeoutError if not."""
-        self._readers = [asyncio.create_task(self._read(i), name=f"engine-reader-{i}") for i in range(len(self._sockets))]
+        """Start reading, then ping every engine: returns once all answered, raises TimeoutError if not."""
+        self._loop = asyncio.get_running_loop()
+        for engine, sock in enumerate(self._sockets):
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, engine)
         await asyncio.wait_for(
             asyncio.gather(*(self.call_utility(i, "ping") for i in range(len(self._sockets)))), ping_timeout
         )
 
     async def close(self) -> None:
-        for task in self._readers:
-            task.cancel()
+        for sock in self._sockets:
+            if self._loop is not None and not sock.closed:
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()
@@ -184,35 +193,51 @@ class EngineClient:
         return loads.index(min(loads))
 
     def _send(self, engine: int, record) -> None:
-        # SNDHWM is 0 (no limit), so the send completes at once; the returned future needs no await.
-        self._sockets[engine].send_multipart(codec.encode(record), copy=False)
+        # SNDHWM is 0 (no limit): the send never has to wait.
+        sock = self._sockets[engine]
+        sock.send_multipart(codec.encode(record), flags=zmq.NOBLOCK, copy=False)
+        # The send may have taken the FD's edge for a message that came in meanwhile: look for one soon.
+        if not self._drain_scheduled[engine] and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_scheduled[engine] = True
+            self._loop.call_soon(self._drain, engine)
 
     def _in_flight_changed(self) -> None:
         if self._on_in_flight is not None:
             self._on_in_flight(len(self._streams))
 
-    async def _read(self, engine: int) -> None:
+    def _drain(self, engine: int) -> None:
+        """Every message waiting on `engine`'s socket, handled now (the FD only signals a change)."""
+        self._drain_scheduled[engine] = False
         sock = self._sockets[engine]
-        while True:
-            frames = await sock.recv_multipart()
+        while not sock.closed:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
             try:
                 record = codec.decode(frames)
             except codec.MalformedMessage as exc:
                 log.error("dropped a malformed message from engine %d: %s", engine, exc)
                 continue
-            if isinstance(record, EngineOutputs):
-                self._waiting[engine] = record.num_waiting
-                streams = self._streams
-                for output in record.outputs:
-                    stream = streams.get(output.request_id)
-                    if stream is not None:  # else: released (aborted) while this step ran
-                        stream.put(output)
-            elif isinstance(record, UtilityResult):
-                future = self._calls.get(record.call_id)
-                if future is not None and not future.done():
-                    if record.error is not None:
-                        future.set_exception(RuntimeError(record.error))
-                    else:
-                        future.set_result(record.result)
-            elif isinstance(record, EngineDead):
-                self.mark_dead(f"engine core DP{engine}: {record.reason}")
+            try:
+                self._handle(engine, record)
+            except Exception:  # a bug here must not leave the rest of the messages unread
+                log.exception("handling a message from engine %d failed", engine)
+
+    def _handle(self, engine: int, record) -> None:
+        if isinstance(record, EngineOutputs):
+            self._waiting[engine] = record.num_waiting
+            streams = self._streams
+            for output in record.outputs:
+                stream = streams.get(output.request_id)
+                if stream is not None:  # else: released (aborted) while this step ran
+                    stream.put(output)
+        elif isinstance(record, UtilityResult):
+            future = self._calls.get(record.call_id)
+            if future is not None and not future.done():
+                if record.error is not None:
+                    future.set_exception(RuntimeError(record.error))
+                else:
+                    future.set_result(record.result)
+        elif isinstance(record, EngineDead):
+            self.mark_dead(f"engine core DP{engine}: {record.reason}")
