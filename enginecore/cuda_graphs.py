@@ -80,7 +80,14 @@ class CudaGraphRunner:
     def _padding(self, entries) -> DecodePadding | None:
         if not entries or entries[-1][1] != 1 or len(entries) > self.batch_buckets[-1]:
             return None  # some prefill in the batch, or too many rows
-        ctx_blocks = max(-(-(seq.num_computed_tokens + 1) // self.block_size) for seq, _ in entries)
+        context = 0
+        for seq, _ in entries:
+            if seq.num_computed_tokens + 1 != seq.num_tokens:
+                # A one-token chunk of a prompt, not a decode: a graph samples every row, and this row is not
+                # to be sampled (it may owe prompt logprobs instead).
+                return None
+            context = max(context, seq.num_computed_tokens + 1)
+        ctx_blocks = -(-context // self.block_size)
         if ctx_blocks > self.block_buckets[-1]:
             return None
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(entries))]
