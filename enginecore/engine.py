@@ -7,6 +7,11 @@ so tests and benchmarks drive it in-process:
         for client, output in core.step(): ...   # RequestOutput deltas, client as given to add_request
 
 A step: schedule -> pack the batch -> one forward pass -> sample -> append, check for the finish, report.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): such a sequence skips the prefix cache and keeps the logits of
+every prompt row of its prefill chunks; their logprobs gather on the sequence across chunks and go out once, in
+the RequestOutput of its first output token (choice 0's only when n > 1). With max_tokens 0 that output carries
+no token: the prompt is computed for its logprobs only (echo with max_tokens 0).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from enginecore.cpu_weights import store_linear_weights_column_major
 from enginecore.kv_cache import KVCache, KVShape, cpu_num_blocks
 from enginecore.loader import BadEngineSetting, LoadedModel, load_model, set_cpu_threads
 from enginecore.model_runner import ModelRunner
-from enginecore.sampler import Sampler
+from enginecore.sampler import Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
 from enginecore.sequence import Sequence
 from ipc.config import ServeConfig
@@ -118,8 +123,9 @@ class EngineCore:
         reason = self._refusal(prompt, p)
         if reason is not None:
             log.warning("request %s finished at once: %s", request.request_id, reason[1])
-            return [RequestOutput(request.request_id, [], i, reason[0], num_prompt_tokens=len(prompt))
-                    for i in range(max(1, p.n))]
+            return _finished_at_once(request, reason[0])
+        if p.max_tokens == 0 and p.prompt_logprobs is None:  # nothing to compute (echo with max_tokens 0)
+            return _finished_at_once(request, FinishReason.LENGTH)
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -129,6 +135,7 @@ class EngineCore:
             token_ids=prompt, num_prompt_tokens=len(prompt), sampling=p,
             priority=request.priority if self.use_priority else 0, arrival=next(self._arrivals),
             generator=generator, num_forks_pending=max(1, p.n) - 1,
+            pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
         )
         self.requests[key] = [seq]
         self.scheduler.add(seq)
@@ -139,8 +146,8 @@ class EngineCore:
             return FinishReason.ABORT, "empty prompt"
         if len(prompt) >= self.max_model_len:
             return FinishReason.LENGTH, f"prompt of {len(prompt)} tokens, the model allows {self.max_model_len}"
-        if p.max_tokens < 1:
-            return FinishReason.LENGTH, "max_tokens < 1"
+        if p.max_tokens < 0:
+            return FinishReason.LENGTH, "max_tokens < 0"
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return FinishReason.ABORT, "token id out of the vocabulary"
         return None
@@ -174,6 +181,8 @@ class EngineCore:
         inputs = self.runner.prepare(batch.entries)
         self.kv_cache.copy_blocks(batch.block_copies)
         logits = self.runner.forward(inputs)
+        if inputs.prompt_runs:
+            logits = self._keep_prompt_logprobs(logits, inputs)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
             self.scheduler.register_full_blocks(seq)
@@ -191,13 +200,35 @@ class EngineCore:
 
         outputs = []
         for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs):
-            seq.token_ids.append(token)
-            finish, stop = self._finish_reason(seq, token)
-            lp = [logprobs] if logprobs is not None else None
-            outputs.append((seq.client, self._output(seq, [token], lp, finish, stop)))
+            prompt_lp = seq.pending_prompt_logprobs
+            if prompt_lp is not None:
+                seq.pending_prompt_logprobs = None
+            if seq.sampling.max_tokens == 0:  # the prompt's logprobs only: no token
+                new, lp, finish, stop = [], None, FinishReason.LENGTH, None
+            else:
+                seq.token_ids.append(token)
+                finish, stop = self._finish_reason(seq, token)
+                new, lp = [token], [logprobs] if logprobs is not None else None
+            outputs.append((seq.client, self._output(seq, new, lp, finish, stop, prompt_lp)))
             if finish is not None:
                 self._retire(seq)
         return outputs
+
+    @staticmethod
+    def _keep_prompt_logprobs(logits: torch.Tensor, inputs) -> torch.Tensor:
+        """Gather the logprobs of the step's prompt rows on their sequences; the sampled rows' logits back."""
+        k = len(inputs.sample_seqs)
+        tokens, tops = [], []
+        for seq, first, count in inputs.prompt_runs:
+            tokens += seq.token_ids[first + 1:first + 1 + count]
+            tops += [seq.sampling.prompt_logprobs] * count
+        entries = prompt_logprobs(logits[k:], tokens, tops)
+        at = 0
+        for seq, first, count in inputs.prompt_runs:
+            seq.pending_prompt_logprobs.extend(entries[at:at + count])
+            seq.num_prompt_logprobs = first + count
+            at += count
+        return logits[:k]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The request's other n-1 choices, sharing every KV block of the computed prompt."""
@@ -217,7 +248,7 @@ class EngineCore:
                 sampling=parent.sampling, priority=parent.priority, arrival=parent.arrival, generator=generator,
                 block_table=list(parent.block_table), num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens, block_hashes=list(parent.block_hashes),
-                num_registered_blocks=parent.num_registered_blocks,
+                num_registered_blocks=parent.num_registered_blocks, num_prompt_logprobs=parent.num_prompt_logprobs,
             )
             for block in child.block_table:
                 self.pool.share(block)
@@ -246,9 +277,10 @@ class EngineCore:
             del self.requests[key]
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], logprobs, finish: str | None, stop: int | None = None):
+    def _output(seq: Sequence, tokens: list[int], logprobs, finish: str | None, stop: int | None = None,
+                prompt_logprobs: list | None = None):
         return RequestOutput(seq.request_id, tokens, seq.index, finish, stop, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, logprobs)
+                             seq.num_cached_tokens, logprobs, prompt_logprobs)
 
     # --- utilities ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -274,3 +306,9 @@ class EngineCore:
             for _, out in self.step():
                 tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
         return tokens
+
+
+def _finished_at_once(request: EngineRequest, reason: str) -> list[RequestOutput]:
+    """One finished output, with no token, per choice of a request that runs no step."""
+    return [RequestOutput(request.request_id, [], i, reason, num_prompt_tokens=len(request.prompt_token_ids))
+            for i in range(max(1, request.sampling.n))]

@@ -45,7 +45,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """[number of sampled rows, vocab] logits."""
+        """[len(inputs.sample_rows), vocab] logits: the sampled rows, then any prompt-logprob rows."""
         attention.current.step = inputs.attention
         attention.current.kv_cache = self.kv_cache
         try:

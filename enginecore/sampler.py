@@ -50,8 +50,8 @@ class Sampler:
         else:
             tokens = self._draw(logits, seqs, greedy)
         token_list = tokens.tolist()
-        return SampleResult(token_list, _logprobs(raw_logprobs, tokens, params) if raw_logprobs is not None
-                            else [None] * len(seqs))
+        return SampleResult(token_list, _logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
+                            if raw_logprobs is not None else [None] * len(seqs))
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):
@@ -126,8 +126,15 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> list:
-    want = [p.logprobs for p in params]
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list:
+    """Per row: [logprob of tokens[row], [[token_id, logprob], ...top tops[row]]], of the raw distribution."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    return _logprobs(raw, torch.tensor(tokens, device=raw.device), tops)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> list:
+    """Per row: None where want is None, else [tokens[row]'s logprob, [[token_id, logprob], ...top want[row]]]."""
     k_max = min(MAX_LOGPROBS, max((k or 0) for k in want if k is not None))
     sampled = raw.gather(1, tokens[:, None])[:, 0].tolist()
     top_vals = top_ids = None

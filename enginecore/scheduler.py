@@ -163,7 +163,8 @@ class Scheduler:
     def _use_prefix_cache(self, seq: Sequence) -> None:
         # At least one token must be computed: its logits give the next token.
         num_full = (seq.num_tokens - 1) // self.block_size
-        if num_full == 0 or not self.pool.enable_prefix_caching:
+        # A sequence that still owes prompt logprobs computes every prompt position's logits (as in vLLM).
+        if num_full == 0 or not self.pool.enable_prefix_caching or seq.needs_prompt_logprobs:
             return
         hits = self.pool.lookup(seq.full_block_hashes(num_full, self.block_size))
         seq.block_table = hits

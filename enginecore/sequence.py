@@ -39,6 +39,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
+    # Prompt logprobs (sampling.prompt_logprobs): how many prompt positions (from the second) have theirs, and
+    # those not sent yet (None: nothing to send, or sent). They go out once, with the sequence's first output; a
+    # recompute after preemption does not compute them again. Forked choices have none to send.
+    num_prompt_logprobs: int = 0
+    pending_prompt_logprobs: list | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -63,6 +68,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     def full_block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Content hashes of the first `num_blocks` full blocks of token_ids, computed once and kept."""

@@ -8,8 +8,9 @@ and tested without the cost or the noise of a forward pass: what is left is the 
 
 What it "generates": every running sequence gets one token per step, cycling through the token ids of a fixed
 sentence (with multi-byte characters, so detokenizers are exercised) that the embedded model's real tokenizer
-decodes. It honours max_tokens, ignore_eos (else EOS after the sentence), min_tokens, stop_token_ids, n,
-logprobs (made-up values) and abort. The prompt costs nothing: the first token comes one step after arrival.
+decodes. It honours max_tokens (0: no token, only the prompt logprobs), ignore_eos (else EOS after the sentence),
+min_tokens, stop_token_ids, n, logprobs and prompt_logprobs (made-up values) and abort. The prompt costs nothing:
+the first token comes one step after arrival.
 
 Test hooks, documented because tests rely on them:
 - a request whose id contains `sim-engine-die` makes the loop raise, as a real engine bug would: every API
@@ -127,6 +128,16 @@ class SimulatedEngine:
             for seq in req.sequences:
                 if seq.finish_reason is not None:
                     continue
+                prompt_logprobs = None
+                if sampling.prompt_logprobs is not None and seq.position == 0 and seq.index == 0:
+                    prompt_logprobs = [_made_up_logprobs(t, sampling.prompt_logprobs)[0]
+                                       for t in req.request.prompt_token_ids[1:]]
+                if sampling.max_tokens == 0:
+                    seq.finish_reason = FinishReason.LENGTH
+                    outputs.setdefault(req.identity, []).append(RequestOutput(
+                        request_id, [], seq.index, seq.finish_reason, num_prompt_tokens=prompt_len,
+                        prompt_logprobs=prompt_logprobs))
+                    continue
                 token = self._next_token(seq, sampling)
                 seq.position += 1
                 if seq.position >= sampling.min_tokens:
@@ -147,6 +158,7 @@ class SimulatedEngine:
                         stop_reason=seq.stop_reason,
                         num_prompt_tokens=prompt_len,
                         logprobs=_made_up_logprobs(token, sampling.logprobs),
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
             if all(seq.finish_reason is not None for seq in req.sequences):

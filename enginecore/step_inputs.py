@@ -1,11 +1,12 @@
 """From a scheduled batch to the tensors of one forward pass: the packed token ids and positions, where each
-token's K/V goes, what each sequence attends to, and which rows' logits to sample from.
+token's K/V goes, what each sequence attends to, and which rows' logits to sample from (plus, for a sequence
+that asks for prompt logprobs, the rows of its prompt positions).
 
 Built with numpy on the host in one pass per step, so the per-layer attention code does no Python bookkeeping.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,9 +20,14 @@ class StepInputs:
     input_ids: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
     attention: StepAttention
-    sample_rows: torch.Tensor  # [k] rows of the packed batch whose logits are sampled
-    sample_seqs: list[Sequence]  # the sequences those rows belong to, in the same order
+    # Rows of the packed batch whose logits are computed: the k sampled rows (one per sample_seqs entry), then the
+    # rows of prompt_runs in order.
+    sample_rows: torch.Tensor
+    sample_seqs: list[Sequence]  # the sequences the sampled rows belong to, in the same order
     num_tokens: int
+    # Prompt logprobs: (sequence, first position, count): the logits of positions first .. first+count-1 give the
+    # logprobs of its prompt tokens at first+1 .. first+count. Empty unless a sequence asks for them.
+    prompt_runs: list[tuple[Sequence, int, int]] = field(default_factory=list)
     # A decode-only batch padded to a CUDA graph's shape: (batch size, blocks per sequence); None otherwise.
     graph_shape: tuple[int, int] | None = None
 
@@ -46,6 +52,8 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     starts: list[int] = []  # first new position of each entry
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
+    prompt_runs: list[tuple[Sequence, int, int]] = []
+    prompt_rows: list[int] = []
     num_decodes = 0
     row = 0
     for seq, n in entries:
@@ -56,6 +64,11 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
         else:
             ids.extend(seq.token_ids[start:start + n])
         starts.append(start)
+        if seq.sampling.prompt_logprobs is not None:
+            first, end = max(start, seq.num_prompt_logprobs), min(start + n, seq.num_prompt_tokens - 1)
+            if first < end:
+                prompt_runs.append((seq, first, end - first))
+                prompt_rows.extend(range(row + first - start, row + end - start))
         row += n
         if start + n == seq.num_tokens:  # its last known token is in: the logits give its next token
             sample_rows.append(row - 1)
@@ -101,9 +114,10 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
         input_ids=_to(np.asarray(ids, dtype=np.int64), device)[None],
         positions=_to(positions, device)[None],
         attention=attention,
-        sample_rows=_to(np.asarray(sample_rows, dtype=np.int64), device),
+        sample_rows=_to(np.asarray(sample_rows + prompt_rows, dtype=np.int64), device),
         sample_seqs=sample_seqs,
         num_tokens=row,
+        prompt_runs=prompt_runs,
     )
 
 

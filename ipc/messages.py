@@ -87,6 +87,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # One entry per new token: [sampled token's logprob, [[token_id, logprob], ...top]]
     logprobs: list | None = None
+    # Once per sequence, with its first output token (choice 0 only when n > 1): one entry per prompt token from
+    # the second on, in the same shape as `logprobs`.
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,8 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+    # None: none; k: each prompt token's logprob (from the second on) plus the top k at its position
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
