@@ -24,7 +24,7 @@ _COUNTER = itertools.count()
 class Choice:
     __slots__ = (
         "index", "prompt_index", "detokenizer", "num_tokens", "finish_reason", "stop_reason",
-        "logprobs", "_changed",
+        "logprobs", "prompt_logprobs", "_changed",
     )
 
     def __init__(self, index: int, prompt_index: int, detokenizer: IncrementalDetokenizer, want_logprobs: bool):
@@ -36,6 +36,9 @@ class Choice:
         self.stop_reason: int | str | None = None
         # Per token: (token id, [sampled logprob, [[id, logprob], ...]]), not yet handed out.
         self.logprobs: list | None = [] if want_logprobs else None
+        # With prompt logprobs, once they arrive: per prompt token (token id, [logprob, [[id, logprob], ...]]),
+        # the first token's data None. The same list for every choice of one prompt.
+        self.prompt_logprobs: list | None = None
         self._changed = False
 
     @property
@@ -103,6 +106,8 @@ class Generation:
         first = self._first_choice
         changed = []
         for out in outputs:
+            if out.prompt_logprobs is not None:  # sent with choice 0 only: it belongs to all n
+                self._set_prompt_logprobs(first[out.request_id], out.prompt_logprobs)
             choice = choices[first[out.request_id] + out.index]
             if choice.finish_reason is not None:
                 continue  # a stop string ended it here; the engine had not heard yet
@@ -125,6 +130,13 @@ class Generation:
         for choice in changed:
             choice._changed = False
         return changed
+
+    def _set_prompt_logprobs(self, first_choice: int, entries: list) -> None:
+        n = self.sampling.n
+        prompt = self.prompts[first_choice // n]
+        per_token = [(prompt[0], None)] + list(zip(prompt[1:], entries))
+        for choice in self.choices[first_choice:first_choice + n]:
+            choice.prompt_logprobs = per_token
 
     def abort(self) -> None:
         """The client went away: whoever waits on the next outputs gets RequestAborted."""

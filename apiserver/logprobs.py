@@ -1,5 +1,6 @@
 """Log-probabilities in each API's own format, from the engine's per-token
-`(token id, [sampled logprob, [[token id, logprob], ...top]])` entries.
+`(token id, [sampled logprob, [[token id, logprob], ...top]])` entries. With echo, completions put the prompt's
+entries first; the first prompt token's is `(token id, None)` (nothing before it predicts it): null logprobs.
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
@@ -36,11 +37,16 @@ class LogprobFormatter:
 
     def completion(self, entries: list, top_n: int, text_offset: int) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, (logprob, top) in entries:
+        for token_id, data in entries:
             text = self.token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(_finite(logprob))
-            top_logprobs.append({self.token_text(i): _finite(lp) for i, lp in top[:top_n]} if top_n else None)
+            if data is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                logprob, top = data
+                token_logprobs.append(_finite(logprob))
+                top_logprobs.append({self.token_text(i): _finite(lp) for i, lp in top[:top_n]} if top_n else None)
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

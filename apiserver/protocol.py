@@ -108,7 +108,7 @@ TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_l
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: None = None

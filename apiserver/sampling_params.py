@@ -38,7 +38,8 @@ def max_tokens_for(prompt_len: int, requested: int | None, max_model_len: int, w
     return requested
 
 
-def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     values = {}
     for name, (key, fallback) in _DEFAULTED.items():
         value = getattr(request, name)
@@ -63,6 +64,7 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
         min_tokens=request.min_tokens,
         n=request.n,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         **values,
     )
 

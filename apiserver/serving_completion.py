@@ -1,5 +1,10 @@
 """POST /v1/completions: a prompt (text or token ids, one or a batch) to the engine, and back as a
-`text_completion` body or a stream of them. With a batch, choice `i * n + j` is prompt i's j-th sample."""
+`text_completion` body or a stream of them. With a batch, choice `i * n + j` is prompt i's j-th sample.
+
+`echo` puts the prompt's text before each choice's; with `logprobs` too, the engine computes prompt logprobs and
+the choice's logprobs cover the prompt tokens (the first one's null) and then the generated ones, with text
+offsets into the echoed text plus the generated text (as OpenAI's legacy completions and vLLM do). `max_tokens`
+0 is allowed with echo only: the prompt (and its logprobs) alone, which is what loglikelihood evaluations send."""
 from __future__ import annotations
 
 import time
@@ -53,14 +58,16 @@ class CompletionServing(GenerationServing):
         req = parse_body(CompletionRequest, await request.body())
         self.check_model(req.model)
         self.check_engine()
-        if req.echo and req.logprobs is not None:
-            raise InvalidRequest("`echo` with `logprobs` needs prompt logprobs, which this server does not compute.", param="echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequest("`max_tokens` must be at least 1 (0 only with `echo`).", param="max_tokens")
         ctx = self.ctx
         prompts, texts = self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
         max_tokens = min(max_tokens_for(len(p), req.max_tokens, max_model_len, "prompt") for p in prompts)
         top_n = req.logprobs or 0
-        sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size)
+        echo_logprobs = req.echo and req.logprobs is not None
+        sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size,
+                                   prompt_logprobs=req.logprobs if echo_logprobs else None)
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),
@@ -70,7 +77,7 @@ class CompletionServing(GenerationServing):
         response_id = "cmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
-        writer = CompletionChunkWriter(self, response_id, created, top_n, echoes)
+        writer = CompletionChunkWriter(self, response_id, created, top_n, echoes, echo_logprobs)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
             lambda gen: self.whole_body(gen, response_id, created, top_n, echoes),
@@ -83,12 +90,15 @@ class CompletionServing(GenerationServing):
         choices = []
         for choice in generation.choices:
             text = choice.detokenizer.take_delta(final=True)
+            entries = choice.logprobs
             if echoes is not None:
                 text = echoes[choice.prompt_index] + text
+                if entries is not None:
+                    entries = (choice.prompt_logprobs or []) + entries
             choices.append({
                 "index": choice.index,
                 "text": text,
-                "logprobs": None if choice.logprobs is None else self.logprobs.completion(choice.logprobs, top_n, 0),
+                "logprobs": None if entries is None else self.logprobs.completion(entries, top_n, 0),
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
             })
@@ -103,18 +113,21 @@ class CompletionServing(GenerationServing):
 
 
 class CompletionChunkWriter(ChunkWriterBase):
-    """Streamed `text_completion` events: the echoed prompts first (with echo), then each choice's text."""
+    """Streamed `text_completion` events: the echoed prompts first (with echo), then each choice's text. With
+    echo and logprobs, a choice's echo event waits for its prompt logprobs (they come with its first output)."""
 
-    def __init__(self, serving: CompletionServing, response_id: str, created: int, top_n: int, echoes):
+    def __init__(self, serving: CompletionServing, response_id: str, created: int, top_n: int, echoes,
+                 echo_logprobs: bool = False):
         ctx = serving.ctx
         super().__init__(chunk_head(response_id, b"text_completion", created, ctx.model_name), ctx.config)
         self._logprobs = serving.logprobs
         self._top_n = top_n
         self._echoes = echoes
+        self._echo_logprobs = echo_logprobs
         self._text_offsets: dict[int, int] = {}  # choice index -> where its next token's text starts
 
     def first(self, generation: Generation) -> bytes:
-        if self._echoes is None:
+        if self._echoes is None or self._echo_logprobs:
             return b""
         return b"".join(
             self.event(choice.index, self._echoes[choice.prompt_index], b"null", b',"finish_reason":null')
@@ -124,8 +137,23 @@ class CompletionChunkWriter(ChunkWriterBase):
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
         return self._head + b'{"index":%d,"text":%b,"logprobs":%b%b}]}\n\n' % (index, orjson.dumps(text), logprobs, tail)
 
+    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
+        if not self._echo_logprobs:
+            return super().changes(generation, changed)
+        echoed = []
+        for choice in changed:
+            if choice.prompt_logprobs is not None:
+                logprobs = self._logprobs_json(choice.index, choice.prompt_logprobs)
+                choice.prompt_logprobs = None
+                echoed.append(self.event(choice.index, self._echoes[choice.prompt_index], logprobs,
+                                         b',"finish_reason":null'))
+        return b"".join(echoed) + super().changes(generation, changed)
+
     def logprobs_json(self, choice: Choice) -> bytes:
-        offset = self._text_offsets.get(choice.index, 0)
-        formatted = self._logprobs.completion(choice.logprobs, self._top_n, offset)
-        self._text_offsets[choice.index] = offset + sum(len(t) for t in formatted["tokens"])
+        return self._logprobs_json(choice.index, choice.logprobs)
+
+    def _logprobs_json(self, index: int, entries: list) -> bytes:
+        offset = self._text_offsets.get(index, 0)
+        formatted = self._logprobs.completion(entries, self._top_n, offset)
+        self._text_offsets[index] = offset + sum(len(t) for t in formatted["tokens"])
         return orjson.dumps(formatted)

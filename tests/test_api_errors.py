@@ -98,7 +98,7 @@ def test_model_missing_or_unknown(http):
     ({"prompt": [49152]}, "prompt"),  # outside the vocabulary
     ({"prompt": [-1]}, "prompt.0"),
     ({"prompt": 12}, "prompt"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
 ])

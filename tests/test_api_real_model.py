@@ -1,5 +1,7 @@
 """Issue 4's surface against the real engine and the embedded model (the session's shared group): the
 fields whose meaning depends on real sampling, checked where the simulated engine cannot tell."""
+import math
+
 import httpx
 import openai
 import pytest
@@ -46,3 +48,74 @@ def test_n_samples_with_usage(client, model):
     assert 2 <= reply.usage.completion_tokens <= 12  # both choices' tokens
     single = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=1)
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+
+
+FRANCE = "The capital of France is"
+
+
+def _prompt_ids(served, text: str) -> list[int]:
+    return httpx.post(f"{served.url}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+
+
+def _reference_logprobs(prompt: list[int]) -> list[float]:
+    """Plain transformers: each prompt token's log_softmax from one forward pass (the engine test's reference)."""
+    from tests.test_engine_prompt_logprobs import _reference
+
+    raw = _reference(tuple(prompt))
+    return [raw[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+
+
+def test_echo_with_logprobs_covers_the_prompt(served, client, model):
+    prompt = _prompt_ids(served, FRANCE)
+    reply = client.completions.create(model=model, prompt=FRANCE, echo=True, logprobs=2, max_tokens=1, temperature=0)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(FRANCE) and len(choice.text) > len(FRANCE)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(prompt) + 1
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs[1:])
+    assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-4
+               for i, top in enumerate(lp.top_logprobs[1:], start=1))
+    assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=1e-3)
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 1
+
+
+def test_echo_with_max_tokens_zero_returns_just_the_prompt(served, client, model):
+    prompt = _prompt_ids(served, FRANCE)
+    reply = client.completions.create(model=model, prompt=FRANCE, echo=True, max_tokens=0)
+    assert reply.choices[0].text == FRANCE and reply.choices[0].finish_reason == "length"
+    # What lm-evaluation-harness sends for loglikelihoods: several token-id prompts, logprobs=1 (and n=2 here).
+    prompts = [prompt, _prompt_ids(served, FRANCE + " Paris")]
+    reply = client.completions.create(model=model, prompt=prompts, echo=True, logprobs=1, max_tokens=0, temperature=0, n=2)
+    assert len(reply.choices) == 4 and reply.usage.completion_tokens == 0
+    first, longer = reply.choices[0].logprobs, reply.choices[2].logprobs
+    assert reply.choices[0].text == FRANCE and reply.choices[2].text == FRANCE + " Paris"
+    assert reply.choices[1].logprobs == first and reply.choices[3].logprobs == longer  # every choice gets them
+    assert len(first.tokens) == len(prompt) and first.token_logprobs[0] is None
+    assert first.token_logprobs[1:] == pytest.approx(_reference_logprobs(prompt), abs=1e-3)
+    assert longer.token_logprobs[:len(prompt)] == pytest.approx(first.token_logprobs, abs=1e-3)
+    assert longer.tokens[-1] == " Paris" and longer.token_logprobs[-1] > -5  # the model knows it
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_reply(client, model):
+    args = dict(model=model, prompt=FRANCE, echo=True, logprobs=2, max_tokens=3, temperature=0)
+    whole = client.completions.create(**args).choices[0]
+    text, tokens, token_logprobs, top_logprobs, offsets = "", [], [], [], []
+    events = list(client.completions.create(stream=True, **args))
+    assert events[0].choices[0].text == FRANCE  # the echoed prompt comes first, with its logprobs
+    assert events[0].choices[0].logprobs.token_logprobs[0] is None
+    for event in events:
+        for choice in event.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                token_logprobs += choice.logprobs.token_logprobs
+                top_logprobs += choice.logprobs.top_logprobs
+                offsets += choice.logprobs.text_offset
+    assert text == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert token_logprobs == whole.logprobs.token_logprobs and top_logprobs == whole.logprobs.top_logprobs
+    zero = list(client.completions.create(stream=True, **{**args, "max_tokens": 0}))
+    assert "".join(c.text for e in zero for c in e.choices) == FRANCE
