@@ -1,6 +1,8 @@
 """At temperature 0 in float32 on the CPU the engine's tokens equal plain transformers greedy generation, token for
 token, with several prompts of different lengths in flight at once."""
-from tests.test_engine_support import greedy_request, make_engine, prompts, reference_greedy  # noqa: F401
+from tests.test_engine_support import (  # noqa: F401
+    engine_block_bytes, greedy_request, make_engine, prompts, record_preemptions, reference_greedy,
+)
 
 MAX_TOKENS = 20
 
@@ -45,28 +47,13 @@ def test_prefix_cache_hits_are_reported(prompts):
 def test_greedy_matches_across_preemption(prompts):
     # 12 blocks of 16 tokens cannot hold every sequence at once: the newest are preempted and recomputed.
     engine = make_engine(kv_cache_memory=12 * engine_block_bytes(), max_num_batched_tokens=128)
-    preempted = []
-    original_preempt = engine.scheduler._preempt
-
-    def spy(seq, batch):
-        preempted.append(seq.request_id)
-        original_preempt(seq, batch)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     short = [p for p in prompts if len(p) < 100]
     out = _run(engine, short * 2, max_tokens=24)
     assert preempted, "the pool was meant to run out"
     for i, prompt in enumerate(short * 2):
         assert out[(f"r{i}", 0)] == reference_greedy(prompt, 24), f"prompt {i}"
     assert engine.pool.num_free == engine.pool.num_blocks
-
-
-def engine_block_bytes() -> int:
-    from enginecore.kv_cache import KVShape
-    from tests.test_engine_support import loaded_model
-
-    loaded = loaded_model()
-    return KVShape.of(loaded.hf_config).bytes_per_block(16, loaded.dtype)
 
 
 def test_cpu_engine_lays_linear_weights_column_major_but_keeps_the_tied_head():

@@ -8,8 +8,9 @@ import torch
 
 from ipc.messages import EngineRequest
 from ipc.sampling import SamplingParams
-from tests.test_engine_correctness import engine_block_bytes
-from tests.test_engine_support import loaded_model, make_engine, prompts, reference_greedy  # noqa: F401
+from tests.test_engine_support import (  # noqa: F401
+    engine_block_bytes, loaded_model, make_engine, prompts, record_preemptions, reference_greedy,
+)
 
 TOP = 3
 
@@ -93,14 +94,7 @@ def test_a_cached_prefix_does_not_shortcut_prompt_logprobs(prompts):
 def test_prompt_logprobs_are_sent_once_across_preemption(prompts):
     # 12 blocks of 16 tokens cannot hold every sequence at once: the newest are preempted and recomputed.
     engine = make_engine(kv_cache_memory=12 * engine_block_bytes(), max_num_batched_tokens=32)
-    preempted = []
-    original_preempt = engine.scheduler._preempt
-
-    def spy(seq, batch):
-        preempted.append((seq.request_id, seq.num_output_tokens))
-        original_preempt(seq, batch)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     short = [p for p in prompts if len(p) < 100] * 2
     outs = run(engine, [request(f"r{i}", p, max_tokens=24) for i, p in enumerate(short)])
     assert preempted, "the pool was meant to run out"

@@ -2,7 +2,9 @@
 priority."""
 from ipc.messages import EngineRequest
 from ipc.sampling import SamplingParams
-from tests.test_engine_support import greedy_request, make_engine, prompts, reference_greedy  # noqa: F401
+from tests.test_engine_support import (  # noqa: F401
+    engine_block_bytes, greedy_request, make_engine, prompts, record_preemptions, reference_greedy,
+)
 
 import pytest
 
@@ -122,14 +124,7 @@ def _greedy(request_id, prompt, max_tokens, priority):
 def _run_with_late_urgent_request(engine, prompts, low_priorities):
     """Start low-priority greedy requests, then add an urgent one (priority 0) once they are decoding. Returns the
     order they finished in, every output, and the request ids preempted along the way."""
-    preempted = []
-    original = engine.scheduler._preempt
-
-    def spy(seq, batch):
-        preempted.append(seq.request_id)
-        original(seq, batch)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     for i, priority in enumerate(low_priorities):  # 85 prompt tokens: 6 blocks of 16, 7 by the 16th token
         engine.add_request(_greedy(f"low{i}", prompts[3], 16, priority))
     outputs, finished = {}, []
@@ -157,8 +152,6 @@ def test_urgent_request_preempts_a_lower_priority_one_when_no_slot_is_free(promp
 
 
 def test_urgent_request_preempts_a_lower_priority_one_when_no_block_is_free(prompts):
-    from tests.test_engine_correctness import engine_block_bytes
-
     # 15 blocks: the two low-priority sequences hold 12 when the urgent one (3 blocks) arrives, 1 kept in reserve.
     engine = make_engine(scheduling_policy="priority", kv_cache_memory=15 * engine_block_bytes(),
                          enable_prefix_caching=False)  # the two low ones would share their prompt blocks

@@ -46,6 +46,27 @@ def make_engine(**overrides) -> EngineCore:
     return EngineCore(ServeConfig(**settings), loaded=loaded_model())
 
 
+def engine_block_bytes() -> int:
+    """The bytes of one KV block of the embedded model (16 tokens), to size a deliberately small pool."""
+    from enginecore.kv_cache import KVShape
+
+    loaded = loaded_model()
+    return KVShape.of(loaded.hf_config).bytes_per_block(16, loaded.dtype)
+
+
+def record_preemptions(engine: EngineCore) -> list[str]:
+    """The request ids the engine's scheduler preempts from now on, in order (the list fills as it runs)."""
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def recording(seq, batch):
+        preempted.append(seq.request_id)
+        preempt(seq, batch)
+
+    engine.scheduler._preempt = recording
+    return preempted
+
+
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **sampling) -> EngineRequest:
     return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling))
 
