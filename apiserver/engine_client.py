@@ -105,6 +105,7 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
         self.dead_reason: str | None = None
+        self._unanswered: dict[int, str] = {}  # engine rank -> why it counts as not answering (missed pings)
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
@@ -192,6 +193,18 @@ class EngineClient:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
+
+    def set_unanswered(self, engine: int, reason: str | None) -> None:
+        """engine_watch's verdict on `engine`: why it is not answering pings now, or None once it does."""
+        if reason is None:
+            self._unanswered.pop(engine, None)
+        else:
+            self._unanswered[engine] = reason
+
+    @property
+    def unanswered_reason(self) -> str | None:
+        """Why an engine is not answering pings now (it may still be alive: /health says 503 meanwhile)."""
+        return next(iter(self._unanswered.values()), None)
 
     # Internals.
     def _least_loaded(self) -> int:

@@ -49,6 +49,7 @@ class ServeConfig:
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
     middleware: tuple[str, ...] = ()  # "module:object" ASGI middleware, outermost first
+    engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
 
     # Supervisor.
     shutdown_timeout: float = 30.0

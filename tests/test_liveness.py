@@ -47,3 +47,30 @@ def test_an_engine_flooding_outputs_does_not_starve_the_event_loop(start_supervi
     finally:
         for conn in streams:
             conn.close()
+
+
+def wait_health(server, status: int, timeout: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{server.url}/health", timeout=5)
+        if r.status_code == status:
+            return r
+        assert time.monotonic() < deadline, f"/health still {r.status_code}, not {status}\n{server.log()[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_health_is_503_while_the_engine_misses_pings_and_200_once_it_answers(start_supervise):
+    server = start_supervise("--model", "sim:10", "--engine-ping-interval", "1")
+    engine = server.child_titled("EngineCore_DP0")
+    engine.suspend()
+    try:
+        frozen_at = time.monotonic()
+        r = wait_health(server, 503, 5)  # one missed ping: at most two intervals
+        assert time.monotonic() - frozen_at < 3.5
+        assert "has not answered a ping" in r.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/ping", timeout=5).status_code == 503
+    finally:
+        engine.resume()
+    wait_health(server, 200, 3)
+    assert httpx.get(f"{server.url}/ping", timeout=5).status_code == 200
+    assert "died" not in server.log()
