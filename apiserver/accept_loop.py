@@ -6,10 +6,16 @@ which piles long-lived keep-alive connections onto a few servers. So before it a
 more open connections than the least busy live server waits a little (--accept-backoff-ms, default 5 ms):
 a less busy server takes the connection meanwhile, or, once the wait is over, this one does. The counts
 live in the group's shared memory, one slot per server, each written only by its owner.
+
+Out of file descriptors (EMFILE, ENFILE) or kernel memory, the listening socket stays readable and every
+accept() fails at once: the loop would spin and log without end. So a failed accept pauses accepting for
+ACCEPT_PAUSE_SECONDS, as asyncio's own accept loop (under uvicorn) pauses 1 s and nginx retries after its
+accept_mutex_delay of 500 ms, and the failures are logged at most once a second, with their count.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import time
@@ -24,6 +30,8 @@ ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the b
 # While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
 # closed) before the server closes it: closing an idle connection races with a client sending on it.
 IDLE_CONNECTION_GRACE = 1.0
+ACCEPT_PAUSE_SECONDS = 0.5  # after a failed accept: the error (EMFILE...) would repeat at once
+FAILURE_REPORT_SECONDS = 1.0  # failed accepts are logged at most this often, with their count
 
 
 class BalancedAcceptor:
@@ -42,6 +50,9 @@ class BalancedAcceptor:
         self._deferred_since: float | None = None
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
+        self._failed_accepts = 0  # since the last report
+        self._failures_reported_at = 0.0
+        self._last_failure: float | None = None  # None: accepts work
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
 
     @property
@@ -50,10 +61,7 @@ class BalancedAcceptor:
 
     def _on_readable(self) -> None:
         if self._should_defer():
-            # Stop listening for a moment, or the loop would spin on the still-readable socket.
-            self._loop.remove_reader(self._sock.fileno())
-            wait = self._backoff - (time.monotonic() - self._deferred_since)
-            self._retry = self._loop.call_later(max(wait, 0.0005), self._resume)
+            self._pause(self._backoff - (time.monotonic() - self._deferred_since))
             return
         self._deferred_since = None
         for _ in range(ACCEPTS_PER_WAKEUP):
@@ -61,12 +69,41 @@ class BalancedAcceptor:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return  # another server took it
-            except OSError as exc:  # EMFILE and friends: log, keep serving what we have
-                log.warning("accept failed: %s", exc)
+            except ConnectionAbortedError:
+                continue  # the client gave up while it waited in the backlog
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: keep serving what we have
+                self._accept_failed(exc)
                 return
+            if self._last_failure is not None:
+                self._accepting_again()
             self._adopt(conn)
             if self._should_defer():
                 return
+
+    def _pause(self, seconds: float) -> None:
+        """Stop listening for a moment, or the loop would spin on the still-readable socket."""
+        self._loop.remove_reader(self._sock.fileno())
+        self._retry = self._loop.call_later(max(seconds, 0.0005), self._resume)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self._failed_accepts += 1
+        now = self._last_failure = time.monotonic()
+        if now - self._failures_reported_at >= FAILURE_REPORT_SECONDS:
+            what = "out of file descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "accept failed"
+            log.warning("%s (%s): %d failed accept(s) since the last report; trying again every %.1f s",
+                        what, exc, self._failed_accepts, ACCEPT_PAUSE_SECONDS)
+            self._failed_accepts = 0
+            self._failures_reported_at = now
+        self._pause(ACCEPT_PAUSE_SECONDS)
+
+    def _accepting_again(self) -> None:
+        """Said once accepts have worked for a report interval, so that churn at the limit (one descriptor
+        freed, taken, the next accept failing) is not a line per connection."""
+        if time.monotonic() - self._last_failure < FAILURE_REPORT_SECONDS:
+            return
+        log.warning("accepting connections again (%d failed accept(s) since the last report)", self._failed_accepts)
+        self._failed_accepts = 0
+        self._last_failure = None
 
     def _should_defer(self) -> bool:
         if self._backoff <= 0 or self._open <= self._state.least_open_connections():
