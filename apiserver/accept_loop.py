@@ -1,4 +1,4 @@
-"""Balanced accepts on the group's shared listening socket, around uvicorn's own HTTP protocol classes.
+"""Balanced accepts on the group's shared listening socket, for the connections of apiserver/http_connection.py.
 
 Every API server watches the same listening socket. The kernel wakes them all; whoever calls accept()
 first gets the connection. Left alone, the server whose loop happens to be idlest at that instant wins,
@@ -20,16 +20,11 @@ import logging
 import socket
 import time
 
-import uvicorn
-
 from ipc.shared_state import GroupState
 
 log = logging.getLogger(__name__)
 
 ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the balance is looked at again
-# While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
-# closed) before the server closes it: closing an idle connection races with a client sending on it.
-IDLE_CONNECTION_GRACE = 1.0
 ACCEPT_PAUSE_SECONDS = 0.5  # after a failed accept: the error (EMFILE...) would repeat at once
 FAILURE_REPORT_SECONDS = 1.0  # failed accepts are logged at most this often, with their count
 
@@ -153,44 +148,3 @@ class BalancedAcceptor:
 
     async def wait_closed(self) -> None:
         return None
-
-
-class BalancedServer(uvicorn.Server):
-    """uvicorn's Server with our accept loop in place of loop.create_server; everything else is uvicorn's:
-    its protocol classes, its lifespan, its graceful shutdown (which calls close() on what it keeps in
-    self.servers)."""
-
-    def __init__(self, config: uvicorn.Config, state: GroupState, slot: int, backoff_seconds: float):
-        super().__init__(config)
-        self._state = state
-        self._slot = slot
-        self._backoff = backoff_seconds
-        self.acceptor: BalancedAcceptor | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await self.lifespan.startup()
-        if self.lifespan.should_exit:
-            raise SystemExit(3)
-        config = self.config
-
-        def create_protocol() -> asyncio.Protocol:
-            return config.http_protocol_class(
-                config=config, server_state=self.server_state, app_state=self.lifespan.state
-            )
-
-        (listen_socket,) = sockets
-        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
-        self.servers = [self.acceptor]
-        self.started = True
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Drain without failing a client: stop accepting, answer every further request on an open
-        connection with `Connection: close`, give idle connections a moment to use that, then let uvicorn
-        close the rest and wait for the requests in flight."""
-        if self.acceptor is not None:
-            self.acceptor.close()
-        self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
-        deadline = time.monotonic() + IDLE_CONNECTION_GRACE
-        while self.server_state.connections and time.monotonic() < deadline and not self.force_exit:
-            await asyncio.sleep(0.05)
-        await super().shutdown(sockets)
