@@ -139,12 +139,16 @@ class BalancedAcceptor:
         self._state.set_open_connections(self._slot, self._open)
 
     def close(self) -> None:
+        """Stop accepting, and close this process's copy of the listening socket: while any process holds
+        it, the kernel completes handshakes into the backlog for connections nobody here will take. Others
+        serving the port (a rolling restart's new servers) hold their own copies."""
         if self._closed:
             return
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
         self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
 
     async def wait_closed(self) -> None:
         return None

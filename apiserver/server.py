@@ -60,6 +60,7 @@ class ApiHttpServer(uvicorn.Server):
         let uvicorn close the rest and wait for the requests in flight."""
         if self.acceptor is not None:
             self.acceptor.close()
+        self.policy.refusing = self._state.group_stopping()
         self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
         deadline = time.monotonic() + IDLE_CONNECTION_GRACE
         while self.server_state.connections and time.monotonic() < deadline and not self.force_exit:

@@ -1,7 +1,10 @@
 """Connections as hostile or unlucky clients hold them: out of file descriptors, idle, slow, or arriving
 while the group drains. Raw sockets, so that every byte and every close is the test's own."""
+import json
 import re
+import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -161,3 +164,43 @@ def test_requests_within_the_timeouts_are_unaffected(short_timeouts):
     conn.sendall(HEALTH)
     assert read_response(conn).startswith(b"HTTP/1.1 200")
     conn.close()
+
+
+def listening_sockets(process: psutil.Process) -> list:
+    return [c for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+
+
+def test_sigterm_closes_the_listening_socket_and_answers_new_requests_503_while_streams_finish(start_supervise):
+    server = start_supervise(*SIM)
+    api = server.child_titled("ApiServer_0")
+    assert listening_sockets(api)
+    keep_alive = connect(server)
+    keep_alive.sendall(HEALTH)
+    assert read_response(keep_alive).startswith(b"HTTP/1.1 200")
+    lines = []
+    body = {"model": "sim:10", "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+    def stream():
+        with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    deadline = time.monotonic() + 5
+    while not lines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.signal(signal.SIGTERM)
+    while listening_sockets(api):  # the drain's first act: this process closes its copy
+        assert time.monotonic() < deadline + 5, server.log()[-2000:]
+        time.sleep(0.02)
+    keep_alive.sendall(HEALTH)
+    answer, _ = read_until_closed(keep_alive)
+    keep_alive.close()
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"connection: close" in head.lower()
+    assert "shutting down" in json.loads(error)["error"]["message"]
+    streamer.join(30)
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+    assert server.wait_exit(30) == 0
