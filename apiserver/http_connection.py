@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from apiserver.errors import ApiError, error_body
+from apiserver.errors import ApiError, RequestTimeout, ShuttingDown, error_body
 
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
 # resumes, the client gets its full timeout give or take this much.
@@ -38,16 +38,6 @@ class ConnectionPolicy:
     timeout_keep_alive: float
     timeout_request_header: float
     refusing: bool = False
-
-
-class RequestTimeout(ApiError):
-    status = 408
-    type = "invalid_request_error"
-
-
-class ShuttingDown(ApiError):
-    status = 503
-    type = "service_unavailable_error"
 
 
 def _fixed_response(error: ApiError, reason: bytes) -> bytes:

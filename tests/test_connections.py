@@ -16,11 +16,6 @@ from tests.supervise_process import Supervise
 SIM = ("--model", "sim:10")
 
 
-def address_of(server) -> tuple[str, int]:
-    host, port = server.url.rsplit("//", 1)[1].split(":")
-    return host, int(port)
-
-
 def accept_failure_lines(server) -> list[str]:
     return [line for line in server.log().splitlines() if "accept failed" in line or "out of file descriptors" in line]
 
@@ -30,7 +25,7 @@ def test_out_of_file_descriptors_pauses_accepting_then_serves_again(start_superv
     api = server.child_titled("ApiServer_0")
     # A few descriptors left: the connections below exhaust them, the rest wait in the backlog.
     api.rlimit(psutil.RLIMIT_NOFILE, (api.num_fds() + 8, api.rlimit(psutil.RLIMIT_NOFILE)[1]))
-    clients = [socket.create_connection(address_of(server)) for _ in range(40)]
+    clients = [socket.create_connection(server.address) for _ in range(40)]
     try:
         time.sleep(0.5)
         cpu_before = sum(api.cpu_times()[:2])
@@ -44,15 +39,7 @@ def test_out_of_file_descriptors_pauses_accepting_then_serves_again(start_superv
     finally:
         for client in clients:
             client.close()
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, server.log()[-2000:]
-        time.sleep(0.1)
+    server.wait_health(200, 5)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def short_timeouts():
 
 
 def connect(server) -> socket.socket:
-    conn = socket.create_connection(address_of(server))
+    conn = socket.create_connection(server.address)
     conn.settimeout(10)
     return conn
 

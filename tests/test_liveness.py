@@ -6,18 +6,11 @@ import time
 
 import httpx
 
-from tests.supervise_process import Supervise
-
-
-def model_of(server) -> str:
-    return httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
-
 
 def open_unread_stream(server, body: dict) -> socket.socket:
     """A streamed request whose reader never reads: the server's outputs pile up on its side."""
-    host, port = server.url.rsplit("//", 1)[1].split(":")
     data = json.dumps(body).encode()
-    conn = socket.create_connection((host, int(port)))
+    conn = socket.create_connection(server.address)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
@@ -29,7 +22,7 @@ def test_an_engine_flooding_outputs_does_not_starve_the_event_loop(start_supervi
     # Its loop must still beat and answer /health; today one socket drain never ends and it is killed.
     server = start_supervise("--model", "sim:1", "--heartbeat-timeout", "3")
     pid = server.child_titled("ApiServer_0").pid
-    body = {"model": model_of(server), "prompt": "x", "max_tokens": 4000, "n": 128, "stream": True,
+    body = {"model": "sim:1", "prompt": "x", "max_tokens": 4000, "n": 128, "stream": True,
             "ignore_eos": True}
     streams = [open_unread_stream(server, body) for _ in range(4)]
     try:
@@ -49,28 +42,18 @@ def test_an_engine_flooding_outputs_does_not_starve_the_event_loop(start_supervi
             conn.close()
 
 
-def wait_health(server, status: int, timeout: float) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.get(f"{server.url}/health", timeout=5)
-        if r.status_code == status:
-            return r
-        assert time.monotonic() < deadline, f"/health still {r.status_code}, not {status}\n{server.log()[-3000:]}"
-        time.sleep(0.1)
-
-
 def test_health_is_503_while_the_engine_misses_pings_and_200_once_it_answers(start_supervise):
     server = start_supervise("--model", "sim:10", "--engine-ping-interval", "1")
     engine = server.child_titled("EngineCore_DP0")
     engine.suspend()
     try:
         frozen_at = time.monotonic()
-        r = wait_health(server, 503, 5)  # one missed ping: at most two intervals
+        r = server.wait_health(503, 5)  # one missed ping: at most two intervals
         assert time.monotonic() - frozen_at < 3.5
         assert "has not answered a ping" in r.json()["error"]["message"]
         assert httpx.get(f"{server.url}/ping", timeout=5).status_code == 503
     finally:
         engine.resume()
-    wait_health(server, 200, 3)
+    server.wait_health(200, 3)
     assert httpx.get(f"{server.url}/ping", timeout=5).status_code == 200
     assert "died" not in server.log()
