@@ -44,10 +44,10 @@ class StatusCountMiddleware:
             return await self.app(scope, receive, send)
         count = self._count
 
-        async def counted_send(message):
+        def counted_send(message):  # hands back send's awaitable: no coroutine of its own per event
             if message["type"] == "http.response.start":
                 count(message["status"])
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, counted_send)
 
