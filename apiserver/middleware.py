@@ -72,8 +72,8 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         limit = self._limit
         for name, value in scope["headers"]:
-            if name == b"content-length":  # the HTTP parser checked it is a number, and holds the body to it
-                if int(value) > limit:
+            if name == b"content-length":  # the HTTP parser holds the body to it
+                if value.isdigit() and int(value) > limit:
                     return await error_response(self._too_large())(scope, receive, send)
                 return await self.app(scope, receive, send)
         received = 0
