@@ -2,7 +2,7 @@
 
 CONTRACT (the supervisor relies on exactly this):
     run_api_server(config: ServeConfig, index: int, listen_socket: socket.socket, model: ModelInfo,
-                   engine_addresses: list[str], shared_state_name: str, group_lock, lifeline: Connection,
+                   engine_addresses: list[str], shared_state_name: str, lifeline: Connection,
                    ready: Connection) -> None
 - set the process title `supervise: ApiServer_<index>`, ipc.logs.setup_logging(f"ApiServer_{index}", ...),
   ipc.lifeline.die_with_parent(lifeline); attach ipc.shared_state.GroupState(shared_state_name), claim(index);
@@ -37,7 +37,6 @@ def run_api_server(
     model: ModelInfo,
     engine_addresses: list[str],
     shared_state_name: str,
-    group_lock,
     lifeline,
     ready,
 ) -> None:
@@ -58,12 +57,12 @@ def run_api_server(
 
     renderer = Renderer(load_tokenizer(model.model_dir))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop))
+        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop))
     group.close()
     log.info("stopped")
 
 
-async def _serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop) -> None:
+async def _serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop) -> None:
     from apiserver.admission import AdmissionControl
     from apiserver.app import build_app
     from apiserver.context import ServerContext
@@ -80,9 +79,7 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
         renderer=renderer,
         engine=engine,
         group=group,
-        admission=AdmissionControl(
-            group, group_lock, index, config.max_num_queued_reqs, config.max_num_queued_tokens
-        ),
+        admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
         metrics=Metrics(config.runtime_dir, index),
     )
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")

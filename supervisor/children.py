@@ -92,7 +92,6 @@ def spawn_api_server(
     model: ModelInfo,
     engine_addresses: list[str],
     shared_state_name: str,
-    group_lock,
 ) -> Child:
     return _spawn(
         ctx,
@@ -101,6 +100,6 @@ def spawn_api_server(
         index,
         API_SERVER_ENTRY,
         lambda ready, lifeline: (
-            config, index, listen_socket, model, engine_addresses, shared_state_name, group_lock, lifeline, ready
+            config, index, listen_socket, model, engine_addresses, shared_state_name, lifeline, ready
         ),
     )

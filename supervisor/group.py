@@ -30,7 +30,6 @@ class ProcessGroup:
         self.notifier = notifier
         self.ctx = multiprocessing.get_context("spawn")
         self.state = GroupState.create()
-        self.lock = self.ctx.Lock()  # guards the group-wide admission counters in `state`
         self.engine_addresses = [engine_address(config.runtime_dir, r) for r in range(config.data_parallel_size)]
         self.engines: list[Child] = []
         self.api_servers: dict[int, Child] = {}
@@ -65,7 +64,7 @@ class ProcessGroup:
     def spawn_api_server(self, index: int) -> Child:
         child = spawn_api_server(
             self.ctx, self.config, index, self.listen_socket, self.model, self.engine_addresses,
-            self.state.name, self.lock,
+            self.state.name,
         )
         self.api_servers[index] = child
         return child

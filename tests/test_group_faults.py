@@ -1,0 +1,77 @@
+"""Faults that must not wedge the group or leak its work: a server killed inside admission, the requests of a
+dead server, the port during a drain, and what the supervisor says about the servers it kills itself."""
+import re
+import threading
+import time
+
+import httpx
+
+from apiserver.admission import TEST_PAUSE_ENV
+from tests.test_group_lifecycle import SIM, model_of
+
+
+def wait_for(predicate, timeout: float, what: str, server=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + (server.log()[-3000:] if server else "")
+        time.sleep(0.05)
+
+
+class HeldStreams:
+    """Streaming requests sent at once, each held open (unread) until `release`, so every request that was
+    admitted is still admitted when the last one is decided: the count of 200s is the most admitted at once."""
+
+    def __init__(self, url: str, model: str, count: int, max_tokens: int):
+        self.statuses: list[int | str] = []
+        self._release = threading.Event()
+        body = {"model": model, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self._threads = [threading.Thread(target=self._one, args=(url, body), daemon=True) for _ in range(count)]
+        for t in self._threads:
+            t.start()
+
+    def _one(self, url: str, body: dict) -> None:
+        try:
+            with httpx.Client(timeout=20) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                self.statuses.append(r.status_code)
+                self._release.wait(60)
+        except httpx.HTTPError as exc:
+            self.statuses.append(type(exc).__name__)
+
+    def wait_decided(self, timeout: float) -> list:
+        wait_for(lambda: len(self.statuses) == len(self._threads), timeout, f"{len(self._threads)} answers")
+        return list(self.statuses)
+
+    def release(self) -> None:
+        self._release.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def test_a_server_killed_inside_admission_wedges_nobody_and_the_limit_holds(start_supervise):
+    # The test hook makes every admission pause 1 s between counting the request in and checking the group's
+    # totals. With the old group lock, a server killed there held the lock forever: nobody was admitted again.
+    limit = 4
+    server = start_supervise(*SIM, "--api-server-count", "3", "--max-num-queued-reqs", str(limit),
+                             env={TEST_PAUSE_ENV: "1"})
+    model = model_of(server)
+    victim_request = HeldStreams(server.url, model, 1, max_tokens=2000)
+    paused = wait_for(lambda: re.search(r"\[(ApiServer_\d+)\].*test hook: pausing", server.log()), 10,
+                      "a server paused inside admission", server)
+    server.child_titled(paused.group(1)).kill()
+    victim_request.release()
+    wait_for(lambda: f"{paused.group(1)} ready" in server.log(), 30, "its replacement", server)
+
+    streams = HeldStreams(server.url, model, 12, max_tokens=2000)  # 20 s each at sim:10: none ends meanwhile
+    try:
+        statuses = streams.wait_decided(45)
+    finally:
+        streams.release()
+    assert set(statuses) <= {200, 503}, statuses
+    assert 1 <= statuses.count(200) <= limit, statuses
+    # Every slot was given back: the group admits again, up to its limit.
+    again = HeldStreams(server.url, model, 1, max_tokens=5)
+    assert wait_for(lambda: again.statuses, 20, "an answer") == [200]
+    again.release()
