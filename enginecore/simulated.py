@@ -30,6 +30,7 @@ import zmq
 
 from ipc import codec
 from ipc.config import ServeConfig
+from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.messages import (
@@ -217,8 +218,9 @@ def load_model_info(config: ServeConfig) -> tuple[ModelInfo, list[int]]:
     return info, sentence_ids
 
 
-def run_simulated_engine_core(config: ServeConfig, rank: int, ready, lifeline) -> None:
+def run_simulated_engine_core(launch: EngineLaunch) -> None:
     """Same CONTRACT as enginecore.process.run_engine_core, for `--model sim:<itl_ms>`."""
+    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
     try:
         from setproctitle import setproctitle
 

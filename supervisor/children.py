@@ -12,6 +12,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from ipc.config import ServeConfig
+from ipc.launch import ApiServerLaunch, EngineLaunch
 from ipc.model_info import ModelInfo
 from supervisor.child_entry import run_child
 
@@ -62,13 +63,12 @@ class Child:
                 pass
 
 
-def _spawn(ctx: SpawnContext, name: str, kind: str, index: int, entry: str, make_args) -> Child:
-    """make_args(ready, lifeline) -> the entry point's arguments, in the order its contract gives."""
-    ready_read, ready_write = ctx.Pipe(duplex=False)
-    lifeline_read, lifeline_write = ctx.Pipe(duplex=False)
-    process = ctx.Process(
-        target=run_child, args=(entry, *make_args(ready_write, lifeline_read)), name=name, daemon=False
-    )
+def _spawn(mp_context: SpawnContext, name: str, kind: str, index: int, entry: str, make_launch) -> Child:
+    """make_launch(ready, lifeline) -> the entry point's one argument (an ipc.launch record)."""
+    ready_read, ready_write = mp_context.Pipe(duplex=False)
+    lifeline_read, lifeline_write = mp_context.Pipe(duplex=False)
+    launch = make_launch(ready_write, lifeline_read)
+    process = mp_context.Process(target=run_child, args=(entry, launch), name=name, daemon=False)
     process.start()
     # The child has its own copies now; ours would keep the pipes open after the child died.
     ready_write.close()
@@ -77,15 +77,16 @@ def _spawn(ctx: SpawnContext, name: str, kind: str, index: int, entry: str, make
     return Child(name, kind, index, process, ready_read, lifeline_write)
 
 
-def spawn_engine_core(ctx: SpawnContext, config: ServeConfig, rank: int) -> Child:
+def spawn_engine_core(mp_context: SpawnContext, config: ServeConfig, rank: int) -> Child:
     entry = SIMULATED_ENGINE_ENTRY if (config.model or "").startswith("sim:") else ENGINE_ENTRY
     return _spawn(
-        ctx, f"EngineCore_DP{rank}", "engine", rank, entry, lambda ready, lifeline: (config, rank, ready, lifeline)
+        mp_context, f"EngineCore_DP{rank}", "engine", rank, entry,
+        lambda ready, lifeline: EngineLaunch(config, rank, ready, lifeline),
     )
 
 
 def spawn_api_server(
-    ctx: SpawnContext,
+    mp_context: SpawnContext,
     config: ServeConfig,
     index: int,
     listen_socket: socket.socket,
@@ -94,12 +95,8 @@ def spawn_api_server(
     shared_state_name: str,
 ) -> Child:
     return _spawn(
-        ctx,
-        f"ApiServer_{index}",
-        "api",
-        index,
-        API_SERVER_ENTRY,
-        lambda ready, lifeline: (
-            config, index, listen_socket, model, engine_addresses, shared_state_name, lifeline, ready
+        mp_context, f"ApiServer_{index}", "api", index, API_SERVER_ENTRY,
+        lambda ready, lifeline: ApiServerLaunch(
+            config, index, listen_socket, model, tuple(engine_addresses), shared_state_name, ready, lifeline
         ),
     )

@@ -10,6 +10,7 @@ import zmq
 
 from ipc.codec import decode, encode
 from ipc.config import ServeConfig
+from ipc.launch import EngineLaunch
 from ipc.messages import AbortRequests, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
 from ipc.model_info import EngineReady
 from ipc.sampling import SamplingParams
@@ -32,7 +33,7 @@ def engine(tmp_path_factory):
     life_r, life_w = ctx.Pipe(duplex=False)
     from enginecore.process import run_engine_core
 
-    proc = ctx.Process(target=run_engine_core, args=(config, 0, ready_w, life_r))
+    proc = ctx.Process(target=run_engine_core, args=(EngineLaunch(config, 0, ready_w, life_r),))
     proc.start()
     ready_w.close()
     life_r.close()
