@@ -110,6 +110,13 @@ class SimulatedEngine:
             if self.running.pop(request_id, None) is not None:
                 self.num_aborted += 1
 
+    def abort_client(self, identity: str) -> int:
+        """Abort every request of one API server (the supervisor calls this when that server is gone): the count."""
+        owner = identity.encode()
+        request_ids = [request_id for request_id, req in self.running.items() if req.identity == owner]
+        self.abort(request_ids)
+        return len(request_ids)
+
     def stats(self) -> dict:
         return {
             "num_running": len(self.running),
@@ -309,4 +316,6 @@ def _call_utility(engine: SimulatedEngine, call: UtilityCall) -> UtilityResult:
         return UtilityResult(call.call_id, engine.stats())
     if call.method == "reset_prefix_cache":
         return UtilityResult(call.call_id, True)
+    if call.method == "abort_client":
+        return UtilityResult(call.call_id, engine.abort_client(*call.args))
     return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
