@@ -24,7 +24,7 @@ SIMULATED_ENGINE_ENTRY = "enginecore.simulated:run_simulated_engine_core"
 API_SERVER_ENTRY = "apiserver.process:run_api_server"
 
 
-@dataclass
+@dataclass(eq=False)  # a child is itself, not its fields
 class Child:
     name: str  # EngineCore_DP0, ApiServer_3: the names the logs and process titles use
     kind: str  # "engine" | "api"
@@ -34,11 +34,22 @@ class Child:
     lifeline: Connection  # we hold the only write end; it closes when we die, whatever kills us
     started_at: float = field(default_factory=time.monotonic)
     ready: bool = False
+    ready_lost: bool = False  # its ready pipe closed without a record: it is dying
     stopping: bool = False  # we asked it to stop: its exit is expected
+    kill_reason: str | None = None  # why we SIGKILLed it, for the line that reports its exit
+    replaces: int | None = None  # rolling restart: the index of the API server it takes over from
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
 
     @property
     def alive(self) -> bool:
         return self.process.exitcode is None
+
+    @property
+    def awaiting_ready(self) -> bool:
+        return not self.ready and not self.ready_lost
 
     def signal(self, signum: int) -> None:
         if self.alive and self.process.pid:
@@ -51,8 +62,10 @@ class Child:
         self.stopping = True
         self.signal(signal.SIGTERM)
 
-    def kill(self) -> None:
-        self.stopping = True
+    def kill(self, reason: str) -> None:
+        """SIGKILL, once: the reason is what the log says when its exit is reported."""
+        if self.kill_reason is None:
+            self.kill_reason = reason
         self.signal(signal.SIGKILL)
 
     def close(self) -> None:

@@ -1,12 +1,15 @@
 """Faults that must not wedge the group or leak its work: a server killed inside admission, the requests of a
 dead server, the port during a drain, and what the supervisor says about the servers it kills itself."""
 import re
+import subprocess
 import threading
 import time
 
 import httpx
+import psutil
 
 from apiserver.admission import TEST_PAUSE_ENV
+from tests.supervise_process import SUPERVISE
 from tests.test_group_lifecycle import SIM, model_of
 
 
@@ -75,3 +78,27 @@ def test_a_server_killed_inside_admission_wedges_nobody_and_the_limit_holds(star
     again = HeldStreams(server.url, model, 1, max_tokens=5)
     assert wait_for(lambda: again.statuses, 20, "an answer") == [200]
     again.release()
+
+
+def test_a_heartbeat_kill_is_logged_once_with_its_reason(start_supervise):
+    server = start_supervise(*SIM, "--heartbeat-timeout", "2")
+    frozen = server.child_titled("ApiServer_0")
+    frozen.suspend()
+    try:
+        wait_for(lambda: "ApiServer_0 ready" in server.log(), 30, "the replacement", server)
+    finally:
+        try:
+            frozen.resume()
+        except psutil.NoSuchProcess:
+            pass
+    log = server.log()
+    assert log.count("ApiServer_0 has not beaten") == 1, log[-3000:]
+    assert "ApiServer_0 died: killed by SIGKILL (by the supervisor: its event loop was silent for" in log
+    assert "perhaps out of memory" not in log
+
+
+def test_an_api_server_start_up_timeout_names_its_option():
+    result = subprocess.run([SUPERVISE, "--port", "0", *SIM, "--api-server-ready-timeout", "0.2"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "ApiServer_0 not ready after 0.2 s (--api-server-ready-timeout)" in result.stdout + result.stderr
