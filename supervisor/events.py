@@ -1,5 +1,6 @@
 """The supervisor's one event source: every child's sentinel, the ready pipes of children that have not yet
-said READY, the signal self-pipe and named timers, all in one `multiprocessing.connection.wait`.
+said READY, the signal self-pipe, the sockets of the supervisor's line to the engines, and named timers, all in
+one `multiprocessing.connection.wait`.
 
 Start-up, the watchdog and the stop all take their events from here; each maps them to what it does. Deaths
 are level-triggered: a dead child is reported on every wait that watches it, until its owner stops watching it
@@ -75,16 +76,18 @@ class EventSource:
     def __init__(self, inbox: SignalInbox, timers: Timers):
         self.inbox = inbox
         self.timers = timers
+        self.engine_link = None  # supervisor.engine_link.EngineLink, once the engines serve
 
     def wait(self, children: Iterable[Child], timeout: float | None = None) -> list[Event]:
         """Block until something happens to `children`, a signal, a timer (or `timeout`); what happened."""
         children = list(children)
         sentinels = {c.process.sentinel: c for c in children}
         pipes = {c.ready_conn: c for c in children if c.awaiting_ready}
+        link_fds = self.engine_link.filenos() if self.engine_link is not None else []
         next_timer = self.timers.seconds_to_next()
         if next_timer is not None:
             timeout = next_timer if timeout is None else min(timeout, next_timer)
-        woke = wait([*sentinels, *pipes, self.inbox], timeout=timeout)
+        woke = wait([*sentinels, *pipes, self.inbox, *link_fds], timeout=timeout)
         events: list[Event] = []
         for conn in woke:
             if conn in pipes:
@@ -99,6 +102,9 @@ class EventSource:
                 events.append(ChildExited(child))
         if self.inbox in woke:
             events.extend(SignalArrived(signum) for signum in self.inbox.take())
+        if self.engine_link is not None:
+            # ZMQ's FD is edge-triggered: drain on every wake, not only when the FD said so.
+            self.engine_link.take_answers()
         events.extend(TimerFired(key) for key in self.timers.pop_due())
         return events
 

@@ -15,8 +15,9 @@ import socket
 from ipc.config import ServeConfig
 from ipc.model_info import EngineReady, ModelInfo
 from ipc.shared_state import GroupState
-from ipc.sockets import engine_address
+from ipc.sockets import api_server_identity, engine_address
 from supervisor.children import Child, spawn_api_server, spawn_engine_core
+from supervisor.engine_link import EngineLink
 from supervisor.events import ChildExited, EventSource, SignalArrived, TimerFired
 from supervisor.signals import STOP_SIGNALS
 from supervisor.startup import wait_until_ready
@@ -42,6 +43,7 @@ class ProcessGroup:
         self.api_servers: dict[int, Child] = {}  # index -> the server that serves under it
         self.draining: list[Child] = []  # replaced or surplus API servers finishing their requests
         self.model: ModelInfo | None = None
+        self.engine_link: EngineLink | None = None
 
     def children(self) -> list[Child]:
         return [*self.engines, *self.api_servers.values(), *self.draining]
@@ -63,6 +65,7 @@ class ProcessGroup:
             self.config.model_name, ready.model.device, ready.model.dtype, ready.model.max_model_len,
             ready.model.num_kv_blocks, ready.model.block_size,
         )
+        self.engine_link = self.events.engine_link = EngineLink(self.engine_addresses)
         self.notifier.status("starting the API servers")
         servers = [self.spawn_api_server(i) for i in range(self.config.api_server_count)]
         wait_until_ready(
@@ -98,7 +101,8 @@ class ProcessGroup:
         child.kill(reason)
 
     def reap(self, child: Child) -> None:
-        """Forget a child that exited. An API server's slot is released (its admitted requests with it)."""
+        """Forget a child that exited. An API server's slot is released (its admitted requests with it) and the
+        engines drop its unfinished requests."""
         if child.kind == "engine":
             self.engines.remove(child)
         elif child in self.draining:
@@ -107,6 +111,8 @@ class ProcessGroup:
             del self.api_servers[child.index]
         if child.kind == "api":
             self.state.release(child.index)
+            if self.engine_link is not None:
+                self.engine_link.abort_client(api_server_identity(child.index))
         child.close()
 
     def mark_engine_dead(self, rank: int) -> None:
@@ -170,4 +176,7 @@ class ProcessGroup:
             child.close()
 
     def close(self) -> None:
+        if self.engine_link is not None:
+            self.engine_link.close()
+            self.engine_link = self.events.engine_link = None
         self.state.close()

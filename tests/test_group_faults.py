@@ -80,6 +80,29 @@ def test_a_server_killed_inside_admission_wedges_nobody_and_the_limit_holds(star
     again.release()
 
 
+def test_the_engines_drop_the_requests_of_a_killed_api_server(start_supervise):
+    server = start_supervise(*SIM, "--api-server-count", "1", env={"SUPERVISE_DEV_MODE": "1"})
+    model = model_of(server)
+
+    def engine_running() -> int | None:
+        try:
+            return httpx.get(f"{server.url}/server_info", timeout=5).json()["engines"][0]["num_running"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None  # between the kill and the replacement
+
+    streams = HeldStreams(server.url, model, 20, max_tokens=5000)  # 50 s each at sim:10
+    try:
+        assert streams.wait_decided(30) == [200] * 20
+        wait_for(lambda: engine_running() == 20, 10, "20 running requests", server)
+        server.child_titled("ApiServer_0").kill()
+        killed_at = time.monotonic()
+        wait_for(lambda: engine_running() == 0, 10, "the engine to drop them", server)
+        assert time.monotonic() - killed_at < 10
+    finally:
+        streams.release()
+    assert "EngineCore_DP0 aborted 20 request(s) of api-0" in server.log()
+
+
 def test_a_heartbeat_kill_is_logged_once_with_its_reason(start_supervise):
     server = start_supervise(*SIM, "--heartbeat-timeout", "2")
     frozen = server.child_titled("ApiServer_0")
