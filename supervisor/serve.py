@@ -79,6 +79,9 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int |
             group.stop(drain_timeout=2.0)  # the port stays open: clients wait in the backlog for the new group
             return outcome
         notifier.stopping()
+        # The group is going down: new connections must be refused at once, not queued in the backlog and reset
+        # when the last process holding the socket exits. Each API server closes its own copy as it drains.
+        listen_socket.close()
         if outcome is Outcome.STOP:
             graceful = group.stop(config.shutdown_timeout)
             log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
