@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
+from collections.abc import Collection
 
 from ipc.config import ServeConfig
 from ipc.model_info import EngineReady, ModelInfo
@@ -83,7 +84,7 @@ class ProcessGroup:
         self.api_servers[index] = child
         return child
 
-    def replace(self, old_index: int, reserved: set[int] = frozenset()) -> Child:
+    def replace(self, old_index: int, reserved: Collection[int] = ()) -> Child:
         """Start the successor of API server `old_index` at a free index; drain the old one once it is ready."""
         return self.spawn_api_server(self.free_api_index(reserved), replaces=old_index)
 
@@ -120,7 +121,7 @@ class ProcessGroup:
         self.state.mark_engine_dead(rank)
 
     # Facts the watchdog reads.
-    def free_api_index(self, reserved: set[int] = frozenset()) -> int:
+    def free_api_index(self, reserved: Collection[int] = ()) -> int:
         """The lowest index no server holds (`reserved`: indices promised to restarts that are due)."""
         taken = set(self.api_servers) | {c.index for c in self.draining} | set(reserved)
         return next(i for i in range(len(taken) + 1) if i not in taken)

@@ -53,7 +53,7 @@ class FakeGroup:
         self.last_beat[index] = self.clock()
         return child
 
-    def replace(self, old_index, reserved=frozenset()):
+    def replace(self, old_index, reserved=()):
         return self.spawn_api_server(self.free_api_index(reserved), replaces=old_index)
 
     def mark_ready(self, child):
