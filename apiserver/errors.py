@@ -74,6 +74,19 @@ class InternalError(ApiError):
     type = "internal_server_error"
 
 
+class RequestTimeout(ApiError):
+    """The request's headers or body did not arrive in time (--timeout-request-header)."""
+
+    status = 408
+
+
+class ShuttingDown(ApiError):
+    """The group is stopping: a request that arrives on an open connection is not started."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+
 def error_body(exc: ApiError) -> dict:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 

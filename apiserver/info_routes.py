@@ -41,7 +41,9 @@ class InfoRoutes:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        reason = self.ctx.engine_dead_reason()
+        # 503 from the first missed engine ping, not only once the engine is dead: a frozen engine would
+        # otherwise keep a load balancer sending requests that hang.
+        reason = self.ctx.engine_dead_reason() or self.ctx.engine.unanswered_reason
         if reason is not None:
             return error_response(EngineDead(f"The engine is not available: {reason}"))
         return Response(status_code=200)

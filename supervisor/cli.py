@@ -88,6 +88,17 @@ def _positive(click_context, param, value):
               help="exit: the group goes down (systemd restarts it); restart: restart the group in place.")
 @click.option("--accept-backoff-ms", default=_DEFAULTS.accept_backoff_ms, show_default=True,
               type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
+@click.option("--timeout-keep-alive", default=_DEFAULTS.timeout_keep_alive, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Close a connection that brings no request this many seconds (after connecting or after "
+                   "its last response).")
+@click.option("--timeout-request-header", default=_DEFAULTS.timeout_request_header, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds a request's headers may take in all, and its body between two reads; then 408 and "
+                   "the connection is closed.")
+@click.option("--engine-ping-interval", default=_DEFAULTS.engine_ping_interval, show_default=True,
+              type=click.FloatRange(0.1), help="Seconds between an API server's pings of each engine: one "
+              "unanswered this long turns /health to 503, three in a row stop the API server.")
 @click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
 @click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,

@@ -122,10 +122,8 @@ def test_sigterm_closes_the_supervisors_listening_socket_at_once(start_supervise
     assert server.proc.poll() is None  # still draining
 
 
-# Needs both halves of issue 10.9: the supervisor closes its copy of the socket (this branch) and each API server
-# closes its own as it starts draining (apiserver/accept_loop.py, apiserver/server.py: the connections branch).
-# Remove the marker once both are merged; strict, so the merge that makes it pass says so.
-@pytest.mark.xfail(strict=True, reason="needs the API servers to close their listening socket when they drain")
+# Both halves of issue 10.9: the supervisor closes its copy of the socket when the drain starts, and each API
+# server closes its own (apiserver/accept_loop.py); while either holds it, connections queue in the backlog.
 def test_new_connections_are_refused_at_once_during_the_drain(start_supervise):
     server = start_supervise(*SIM, "--api-server-count", "2", "--shutdown-timeout", "60")
     port = int(server.url.rsplit(":", 1)[1])
