@@ -5,8 +5,9 @@ CONTRACT (the supervisor relies on exactly this):
 - set the process title `supervise: EngineCore_DP<rank>`, call ipc.logs.setup_logging(f"EngineCore_DP{rank}",
   config.log_level) and ipc.lifeline.die_with_parent(lifeline);
 - resolve and load the model (enginecore.model_source), log progress, allocate the KV cache;
-- bind the ROUTER at ipc.sockets.engine_address(config.runtime_dir, rank);
-- then send exactly one record over `ready`: ipc.model_info.EngineReady, or EngineFailed(user_error=True) for a
+- bind the ROUTER at launch.address (ipc:// beside the API servers, tcp:// on a headless node, CURVE with
+  launch.curve there);
+- then send exactly one record over `ready`: ipc.model_info.EngineReady (with the address bound), or EngineFailed(user_error=True) for a
   bad --model (the supervisor prints the one line and exits 2), or EngineFailed(user_error=False) otherwise;
 - serve until SIGTERM/SIGINT (exit code 0). If the loop raises: send ENGINE_DEAD to every API server it has heard
   from, log the traceback, exit code 1.
@@ -17,14 +18,13 @@ import logging
 import signal
 import sys
 import traceback
-from multiprocessing.connection import Connection
 
 from ipc.config import ServeConfig
 from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.model_info import EngineFailed, EngineReady
-from ipc.sockets import bind_router, engine_address
+from ipc.sockets import bind_router, bound_address
 
 log = logging.getLogger("enginecore")
 
@@ -51,13 +51,13 @@ def run_engine_core(launch: EngineLaunch) -> None:
     signal.signal(signal.SIGINT, _on_signal)
     die_with_parent(lifeline)
     try:
-        _serve(config, rank, ready)
+        _serve(launch)
     except ShutdownRequested as stop:
         log.info("stopping (%s)", stop)
         sys.exit(0)
 
 
-def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
+def _serve(launch: EngineLaunch) -> None:
     import zmq
 
     from enginecore.engine import EngineCore
@@ -65,11 +65,12 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
     from enginecore.model_source import ModelNotFound
     from enginecore.serve_loop import EngineServer
 
-    config = _device_for_rank(config, rank)
+    rank, ready = launch.rank, launch.ready
+    config = _device_for_rank(launch.config, rank)
     try:
         core = EngineCore(config)
         ctx = zmq.Context()
-        router = bind_router(ctx, engine_address(config.runtime_dir, rank))
+        router = bind_router(ctx, launch.address, launch.curve)
     except (ModelNotFound, BadEngineSetting) as exc:
         ready.send(EngineFailed(rank, str(exc), user_error=True))
         sys.exit(2)
@@ -77,10 +78,11 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
         log.error("engine start-up failed:\n%s", traceback.format_exc())
         ready.send(EngineFailed(rank, f"{type(exc).__name__}: {exc}", user_error=False))
         sys.exit(1)
-    ready.send(EngineReady(rank, core.model_info))
+    address = bound_address(router)
+    ready.send(EngineReady(rank, core.model_info, address))
     ready.close()
     log.info("ready: %s on %s, %d KV blocks, serving at %s", config.model_name, core.device,
-             core.model_info.num_kv_blocks, engine_address(config.runtime_dir, rank))
+             core.model_info.num_kv_blocks, address)
 
     server = EngineServer(core, router)
     try:

@@ -46,7 +46,7 @@ from ipc.messages import (
     UtilityResult,
 )
 from ipc.model_info import EngineFailed, EngineReady, ModelInfo
-from ipc.sockets import bind_router, engine_address
+from ipc.sockets import bind_router, bound_address
 
 log = logging.getLogger(__name__)
 
@@ -256,14 +256,14 @@ def run_simulated_engine_core(launch: EngineLaunch) -> None:
     try:
         info, sentence_ids = load_model_info(config)
         ctx = zmq.Context()
-        router = bind_router(ctx, engine_address(config.runtime_dir, rank))
+        router = bind_router(ctx, launch.address, launch.curve)
     except Exception as exc:
         log.exception("simulated engine could not start")
         ready.send(EngineFailed(rank, f"simulated engine could not start: {exc}", False))
         return
     engine = SimulatedEngine(sentence_ids, info.eos_token_ids[0], info.max_model_len)
     log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", interval * 1000)
-    ready.send(EngineReady(rank, info))
+    ready.send(EngineReady(rank, info, bound_address(router)))
     try:
         _serve(router, engine, interval, stopping)
     except Exception as exc:
