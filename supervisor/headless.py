@@ -42,7 +42,7 @@ from supervisor.systemd import SystemdNotifier
 log = logging.getLogger("supervisor")
 
 BEATS_PER_INTERVAL = 4
-WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines
+WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines, the first as the head falls silent
 _BEAT = "beat"
 
 
@@ -161,7 +161,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
     beat = config.engine_ping_interval / BEATS_PER_INTERVAL
     timers = events.timers
     timers.set(_BEAT, 0)
-    last_waiting_line = time.monotonic()
+    last_waiting_line = -WAITING_LOG_EVERY  # the first line as soon as the head is silent
     while True:
         for event in events.wait(group.engines):
             if isinstance(event, ChildExited):
@@ -183,8 +183,10 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 print(f"supervise: error: the head at {link.head} refused this node: {event.detail}", file=sys.stderr)
                 group.stop(drain_timeout=0)
                 return 2
-            if isinstance(event, LinkEvent) and event.what == "accepted" and event.detail != link.head_id:
-                _on_new_head(group, link, event.detail, notifier)
+            if isinstance(event, LinkEvent) and event.what == "accepted":
+                last_waiting_line = -WAITING_LOG_EVERY  # the next silence is told at once
+                if event.detail != link.head_id:
+                    _on_new_head(group, link, event.detail, notifier)
             if isinstance(event, TimerFired) and event.key == _BEAT:
                 link.hello()
                 timers.set(_BEAT, beat)

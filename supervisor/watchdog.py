@@ -85,7 +85,7 @@ class Watchdog:
         if self.engine_failed:
             return None
         if signum == signal.SIGHUP:
-            self._begin_rolling_restart()
+            self._begin_rolling_restart("SIGHUP")
         elif signum == signal.SIGTTIN:
             index = self.group.free_api_index(set(self.restarts_due))
             log.info("SIGTTIN: adding ApiServer_%d", index)
@@ -94,11 +94,11 @@ class Watchdog:
             self._remove_one_server()
         return None
 
-    def _begin_rolling_restart(self) -> None:
+    def _begin_rolling_restart(self, why: str) -> None:
         if self.rolling:
-            log.info("SIGHUP: a rolling restart is already under way")
+            log.info("%s: a rolling restart is already under way", why)
             return
-        log.info("SIGHUP: rolling restart of %d API server(s)", len(self.group.api_servers))
+        log.info("%s: rolling restart of %d API server(s)", why, len(self.group.api_servers))
         self.notifier.reloading()
         self.rolling = True
         self.to_roll.extend(sorted(self.group.api_servers))
@@ -115,7 +115,7 @@ class Watchdog:
         log.info("rolling restart done")
         if self.roll_again:
             self.roll_again = False
-            self._begin_rolling_restart()
+            self._begin_rolling_restart("a rank came back during the last one")
 
     def _remove_one_server(self) -> None:
         if len(self.group.api_servers) <= 1:
@@ -205,7 +205,7 @@ class Watchdog:
         if self.rolling:
             self.roll_again = True
         else:
-            self._begin_rolling_restart()
+            self._begin_rolling_restart(f"rank {event.rank} is back")
 
     # Timers.
     def _on_timer(self, key) -> Outcome | None:
