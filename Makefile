@@ -3,11 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.supervise-setup
+# The gateways that tests put in front of supervise (smg, vllm-router): test partners, never dependencies of
+# ours, so they get a venv of their own.
+GATEWAY_VENV := .venv-gateway
+GATEWAY_STAMP := $(GATEWAY_VENV)/.supervise-setup
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup gateway serve test bench clean
 
 setup: $(STAMP)
 
@@ -21,11 +25,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m enginecore.model_source
 	touch $(STAMP)
 
+# Their Python launchers import these beside their wheels.
+$(GATEWAY_STAMP):
+	test -x $(GATEWAY_VENV)/bin/python || $(PYTHON) -m venv $(GATEWAY_VENV)
+	$(GATEWAY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GATEWAY_VENV)/bin/python -m pip install -q smg==1.13.0 setproctitle grpcio grpcio-health-checking pyyaml
+	$(GATEWAY_VENV)/bin/python -m pip install -q vllm-router==0.1.17 aiohttp fastapi requests uvicorn orjson
+	touch $(GATEWAY_STAMP)
+
+gateway: $(GATEWAY_STAMP)
+
 serve: setup
 	$(VENV)/bin/supervise --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup
+test: setup gateway
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GATEWAY_VENV)
