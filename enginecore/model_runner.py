@@ -20,10 +20,9 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, kv_cache: KVCache | None = None,
-                 cpu_model=None, cpu_threads=None):
+                 cpu_model=None):
         self.model = model
         self.cpu_model = cpu_model  # enginecore.cpu_model.CpuLlama, or None: transformers' forward
-        self.cpu_threads = cpu_threads  # enginecore.cpu_threads.CpuThreads on the CPU
         self.device = device
         self.block_size = block_size
         self.kv_cache = kv_cache
@@ -52,8 +51,6 @@ class ModelRunner:
         """[len(inputs.sample_rows), vocab] logits: the sampled rows, then any prompt-logprob rows."""
         attention.current.step = inputs.attention
         attention.current.kv_cache = self.kv_cache
-        if self.cpu_threads is not None:
-            self.cpu_threads.before_step()
         try:
             if self.cpu_model is not None:
                 return self.cpu_model.forward(inputs.input_ids[0], inputs.positions[0], inputs.sample_rows)
