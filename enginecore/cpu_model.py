@@ -59,7 +59,7 @@ class _Layer:
 
 
 class CpuLlama:
-    def __init__(self, model: torch.nn.Module, make_linear: LinearFactory):
+    def __init__(self, model: torch.nn.Module, make_linear: LinearFactory, make_head: LinearFactory | None = None):
         base = model.model
         config = model.config
         self.heads = config.num_attention_heads
@@ -72,7 +72,7 @@ class CpuLlama:
         self.final_norm = base.norm.weight
         self.scaling = base.layers[0].self_attn.scaling
         self.layers = [self._layer(i, layer, make_linear) for i, layer in enumerate(base.layers)]
-        self.head = make_linear(model.lm_head.weight)
+        self.head = (make_head or make_linear)(model.lm_head.weight)
 
     @staticmethod
     def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:

@@ -3,7 +3,7 @@ kernels and layout (by measurement on this CPU), and whether the lean Llama forw
 
 `--quantization` (vLLM's flag) on the CPU, the activations and everything but the matrix products in float32:
 - `none`: float32 weights (in the layout measured faster here);
-- `bf16`: bfloat16 weights and product inputs (enginecore.cpu_linear.Bf16Linear);
+- `bf16`: bfloat16 weights and product inputs (enginecore.cpu_linear.Bf16Linear), the LM head in float32;
 - `int8`: int8 weights per output channel and activations per token, W8A8 (Int8Linear);
 - `auto`, the default: for a model loaded from a GGUF (the embedded model is one: its weights are 4-bit
   quantized already), the fastest mode that keeps float32's greedy tokens, chosen at start-up: bf16 where the
@@ -95,8 +95,11 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     key = (quantization, layout["column_major"])
     cached = _built.setdefault(model, {})
     if key not in cached:
-        make = KERNELS.get(quantization) or (lambda w: Float32Linear(w, layout["column_major"]))
-        cached[key] = CpuLlama(model, make)
+        float32 = lambda w: Float32Linear(w, layout["column_major"])  # noqa: E731
+        # bf16 keeps the LM head in float32: logits from bfloat16 inputs flipped near-ties of float32's top two
+        # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
+        cached[key] = CpuLlama(model, KERNELS.get(quantization) or float32,
+                               make_head=float32 if quantization == "bf16" else None)
     cached[key].quantization = quantization
     kernels = {"int8": "int8 W8A8 (oneDNN)", "bf16": "bfloat16 (oneDNN)"}.get(quantization) or \
         f"float32 {'column' if layout['column_major'] else 'row'}-major ({layout['why']})"

@@ -78,7 +78,9 @@ def test_echo_with_logprobs_covers_the_prompt(served, client, model):
     assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs[1:])
     assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-4
                for i, top in enumerate(lp.top_logprobs[1:], start=1))
-    assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=1e-3)
+    # The served default multiplies in bfloat16 on CPUs that have it (README, CPU: 0.005 nats/token on average
+    # from float32, single tokens up to ~0.1); a misaligned prompt position would be off by whole nats.
+    assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=0.15)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 1
 
 
