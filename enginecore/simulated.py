@@ -10,7 +10,9 @@ What it "generates": every running sequence gets one token per step, cycling thr
 sentence (with multi-byte characters, so detokenizers are exercised) that the embedded model's real tokenizer
 decodes. It honours max_tokens (0: no token, only the prompt logprobs), ignore_eos (else EOS after the sentence),
 min_tokens, stop_token_ids, n, logprobs and prompt_logprobs (made-up values) and abort. The prompt costs nothing:
-the first token comes one step after arrival.
+the first token comes one step after arrival. Like the real engine, it runs at most --max-num-seqs sequences in a
+step; later requests wait their turn in arrival order (reported as waiting), so an engine has a capacity, and
+data parallelism has something to scale (bench/dp.py).
 
 Test hooks, documented because tests rely on them:
 - a request whose id contains `sim-engine-die` makes the loop raise, as a real engine bug would: every API
@@ -91,11 +93,13 @@ class _Request:
 class SimulatedEngine:
     """The step loop's state: running requests, their owners, and what one step emits."""
 
-    def __init__(self, sentence_ids: list[int], eos_token_id: int, max_model_len: int):
+    def __init__(self, sentence_ids: list[int], eos_token_id: int, max_model_len: int, max_num_seqs: int = 64):
         self.sentence_ids = sentence_ids
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.running: dict[str, _Request] = {}
+        self.waiting: dict[str, _Request] = {}  # in arrival order, until running has room for their sequences
         self.identities: set[bytes] = set()
         self.num_finished = 0
         self.num_aborted = 0
@@ -105,25 +109,40 @@ class SimulatedEngine:
         if DIE_MARKER in request.request_id:
             raise RuntimeError(f"simulated engine failure requested by {request.request_id!r}")
         n = max(1, request.sampling.n)
-        self.running[request.request_id] = _Request(identity, request, [_Sequence(i) for i in range(n)])
+        self.waiting[request.request_id] = _Request(identity, request, [_Sequence(i) for i in range(n)])
         self.num_requests += 1
+        self._admit()
+
+    def _admit(self) -> None:
+        """Waiting requests start, in arrival order, while their sequences fit in --max-num-seqs (one that does
+        not fit alone starts when nothing else runs)."""
+        running = sum(len(r.sequences) for r in self.running.values())
+        while self.waiting:
+            request_id, req = next(iter(self.waiting.items()))
+            if running and running + len(req.sequences) > self.max_num_seqs:
+                return
+            del self.waiting[request_id]
+            self.running[request_id] = req
+            running += len(req.sequences)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            if self.running.pop(request_id, None) is not None:
+            if self.running.pop(request_id, None) is not None or self.waiting.pop(request_id, None) is not None:
                 self.num_aborted += 1
+        self._admit()
 
     def abort_client(self, identity: str) -> int:
         """Abort every request of one API server (the supervisor calls this when that server is gone): the count."""
         owner = identity.encode()
-        request_ids = [request_id for request_id, req in self.running.items() if req.identity == owner]
+        request_ids = [request_id for request_id, req in [*self.running.items(), *self.waiting.items()]
+                       if req.identity == owner]
         self.abort(request_ids)
         return len(request_ids)
 
     def stats(self) -> dict:
         return {
             "num_running": len(self.running),
-            "num_waiting": 0,
+            "num_waiting": len(self.waiting),
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
@@ -180,6 +199,7 @@ class SimulatedEngine:
             if all(seq.finish_reason is not None for seq in req.sequences):
                 del self.running[request_id]
                 self.num_finished += 1
+        self._admit()
         return outputs
 
     def _next_token(self, seq: _Sequence, sampling) -> int:
@@ -261,7 +281,7 @@ def run_simulated_engine_core(launch: EngineLaunch) -> None:
         log.exception("simulated engine could not start")
         ready.send(EngineFailed(rank, f"simulated engine could not start: {exc}", False))
         return
-    engine = SimulatedEngine(sentence_ids, info.eos_token_ids[0], info.max_model_len)
+    engine = SimulatedEngine(sentence_ids, info.eos_token_ids[0], info.max_model_len, config.max_num_seqs)
     log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", interval * 1000)
     ready.send(EngineReady(rank, info, bound_address(router)))
     try:
@@ -291,7 +311,7 @@ def _serve(router: zmq.Socket, engine: SimulatedEngine, interval: float, stoppin
             next_step = time.monotonic() + interval
         if next_step is not None and time.monotonic() >= next_step:
             for identity, outputs in engine.step().items():
-                record = EngineOutputs(outputs, num_running=len(engine.running))
+                record = EngineOutputs(outputs, num_running=len(engine.running), num_waiting=len(engine.waiting))
                 router.send_multipart([identity, *codec.encode(record)], copy=False)
             # A fixed pace, without drift, unless we fell more than a step behind.
             next_step = max(next_step + interval, time.monotonic()) if engine.running else None
