@@ -95,7 +95,8 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
             server.should_exit = True
 
         watcher = asyncio.create_task(
-            watch_engines(engine, config.engine_ping_interval, on_engine_gone), name="engine-watch"
+            watch_engines(engine, config.engine_ping_interval, on_engine_gone, ctx.sync_down_ranks),
+            name="engine-watch",
         )
         await server.serve(sockets=[listen_socket])
         watcher.cancel()

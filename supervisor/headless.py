@@ -190,6 +190,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
             if isinstance(event, TimerFired) and event.key == _BEAT:
                 link.hello()
                 timers.set(_BEAT, beat)
+                notifier.watchdog_if_due()  # under systemd with WatchdogSec=: this loop is alive
                 now = time.monotonic()
                 silent = now - link.last_answer
                 if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY:
