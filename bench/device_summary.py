@@ -54,6 +54,8 @@ def frontend_rows(path: str) -> list[tuple[str, str, str]]:
         out.append(("frontend: API CPU us per request", f"{rows[1]['api_cpu_us_per_request']:.0f}", "<= 1000"))
         out.append(("frontend: API CPU us per token (paced)", f"{rows[1]['api_cpu_us_per_token']:.1f}", "<= 40"))
     out.append(("frontend: RSS MB per API server (max)", f"{max(r['rss_mb_max'] for r in rows.values()):.0f}", "< 200"))
+    with_torch = sum(sum(r.get("torch_loaded", {}).values()) for r in rows.values())
+    out.append(("frontend: API servers with torch loaded", str(with_torch), "0"))
     return out
 
 
