@@ -47,7 +47,7 @@ class EngineCore:
             raise BadEngineSetting("block size, max-num-seqs and max-num-batched-tokens must be positive")
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype)
+            loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
         if loaded.device.type == "cpu":
             set_cpu_threads()
             store_linear_weights_column_major(loaded.model)

@@ -210,3 +210,23 @@ def test_templates_that_refuse_a_conversation(embedded_dir, tmp_path):
     with pytest.raises(InvalidRequest, match="empty conversation"):
         renderer.chat_text([])
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("config_dir", ["tests/models/tiny-llama", "bench/models/llama-3.2-1b"])
+def test_the_synthetic_tokenizer_of_dummy_models(config_dir, tmp_path, monkeypatch):
+    """What `--load-format dummy` makes for a directory with only a config.json: transformers reads it the same,
+    it covers the config's vocabulary, and its special tokens sit where the config's ids say (Llama 3's layout)."""
+    from enginecore.model_source import dummy_model_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), config_dir)
+    directory = dummy_model_dir(root)
+    assert dummy_model_dir(root) == directory != root  # made once, then found in the cache
+    ours, theirs = same_everything(directory)
+    config = json.load(open(os.path.join(root, "config.json")))
+    assert ours.backend.get_vocab_size() == len(theirs) == config["vocab_size"]
+    assert ours.backend.id_to_token(config["bos_token_id"]) == ours.special_tokens["bos_token"] == "<|begin_of_text|>"
+    assert ours.backend.id_to_token(config["eos_token_id"]) == ours.special_tokens["eos_token"] == "<|end_of_text|>"
+    assert ours.encode("hello world")[0] == config["bos_token_id"]
+    words = ours.decode(list(range(1000, 1100)))
+    assert words.isascii() and len(words.split()) >= 50  # random ids read as words
