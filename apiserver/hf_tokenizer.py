@@ -89,9 +89,16 @@ def _added_token(value) -> AddedToken | str:
 
 
 def _added_tokens(config: dict, model_dir: str, tokenizer_json: str) -> dict[int, AddedToken]:
+    """Id -> token: the config's `added_tokens_decoder`, else (legacy) tokenizer.json's own added tokens, with
+    special_tokens_map.json merged into `config` as transformers does then."""
     if "added_tokens_decoder" in config:
         return {int(i): _added_token(t) for i, t in config["added_tokens_decoder"].items()}
-    # Legacy: named tokens from special_tokens_map.json, and tokenizer.json's added tokens.
+    _merge_special_tokens_map(config, model_dir)
+    with open(tokenizer_json, encoding="utf-8") as f:
+        return {t["id"]: _added_token(t) for t in json.load(f).get("added_tokens", [])}
+
+
+def _merge_special_tokens_map(config: dict, model_dir: str) -> None:
     for key, value in (_read_json(os.path.join(model_dir, "special_tokens_map.json")) or {}).items():
         if isinstance(value, dict) and key not in ("extra_special_tokens", "additional_special_tokens"):
             value = AddedToken(**{k: v for k, v in value.items() if k not in ("special", "__type")}, special=True)
@@ -103,8 +110,6 @@ def _added_tokens(config: dict, model_dir: str, tokenizer_json: str) -> dict[int
                     existing.append(token)
             value = existing
         config[key] = value
-    with open(tokenizer_json, encoding="utf-8") as f:
-        return {t["id"]: _added_token(t) for t in json.load(f).get("added_tokens", [])}
 
 
 def _special_tokens(config: dict, added: dict[int, AddedToken]) -> tuple[dict, list]:
