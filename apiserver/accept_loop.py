@@ -1,4 +1,4 @@
-"""Balanced accepts on the group's shared listening socket, around uvicorn's own HTTP protocol classes.
+"""Balanced accepts on the group's shared listening socket, for the connections of apiserver/http_connection.py.
 
 Every API server watches the same listening socket. The kernel wakes them all; whoever calls accept()
 first gets the connection. Left alone, the server whose loop happens to be idlest at that instant wins,
@@ -6,24 +6,27 @@ which piles long-lived keep-alive connections onto a few servers. So before it a
 more open connections than the least busy live server waits a little (--accept-backoff-ms, default 5 ms):
 a less busy server takes the connection meanwhile, or, once the wait is over, this one does. The counts
 live in the group's shared memory, one slot per server, each written only by its owner.
+
+Out of file descriptors (EMFILE, ENFILE) or kernel memory, the listening socket stays readable and every
+accept() fails at once: the loop would spin and log without end. So a failed accept pauses accepting for
+ACCEPT_PAUSE_SECONDS, as asyncio's own accept loop (under uvicorn) pauses 1 s and nginx retries after its
+accept_mutex_delay of 500 ms, and the failures are logged at most once a second, with their count.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import time
-
-import uvicorn
 
 from ipc.shared_state import GroupState
 
 log = logging.getLogger(__name__)
 
 ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the balance is looked at again
-# While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
-# closed) before the server closes it: closing an idle connection races with a client sending on it.
-IDLE_CONNECTION_GRACE = 1.0
+ACCEPT_PAUSE_SECONDS = 0.5  # after a failed accept: the error (EMFILE...) would repeat at once
+FAILURE_REPORT_SECONDS = 1.0  # failed accepts are logged at most this often, with their count
 
 
 class BalancedAcceptor:
@@ -42,6 +45,9 @@ class BalancedAcceptor:
         self._deferred_since: float | None = None
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
+        self._failed_accepts = 0  # since the last report
+        self._failures_reported_at = 0.0
+        self._last_failure: float | None = None  # None: accepts work
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
 
     @property
@@ -50,10 +56,7 @@ class BalancedAcceptor:
 
     def _on_readable(self) -> None:
         if self._should_defer():
-            # Stop listening for a moment, or the loop would spin on the still-readable socket.
-            self._loop.remove_reader(self._sock.fileno())
-            wait = self._backoff - (time.monotonic() - self._deferred_since)
-            self._retry = self._loop.call_later(max(wait, 0.0005), self._resume)
+            self._pause(self._backoff - (time.monotonic() - self._deferred_since))
             return
         self._deferred_since = None
         for _ in range(ACCEPTS_PER_WAKEUP):
@@ -61,12 +64,41 @@ class BalancedAcceptor:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return  # another server took it
-            except OSError as exc:  # EMFILE and friends: log, keep serving what we have
-                log.warning("accept failed: %s", exc)
+            except ConnectionAbortedError:
+                continue  # the client gave up while it waited in the backlog
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: keep serving what we have
+                self._accept_failed(exc)
                 return
+            if self._last_failure is not None:
+                self._accepting_again()
             self._adopt(conn)
             if self._should_defer():
                 return
+
+    def _pause(self, seconds: float) -> None:
+        """Stop listening for a moment, or the loop would spin on the still-readable socket."""
+        self._loop.remove_reader(self._sock.fileno())
+        self._retry = self._loop.call_later(max(seconds, 0.0005), self._resume)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self._failed_accepts += 1
+        now = self._last_failure = time.monotonic()
+        if now - self._failures_reported_at >= FAILURE_REPORT_SECONDS:
+            what = "out of file descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "accept failed"
+            log.warning("%s (%s): %d failed accept(s) since the last report; trying again every %.1f s",
+                        what, exc, self._failed_accepts, ACCEPT_PAUSE_SECONDS)
+            self._failed_accepts = 0
+            self._failures_reported_at = now
+        self._pause(ACCEPT_PAUSE_SECONDS)
+
+    def _accepting_again(self) -> None:
+        """Said once accepts have worked for a report interval, so that churn at the limit (one descriptor
+        freed, taken, the next accept failing) is not a line per connection."""
+        if time.monotonic() - self._last_failure < FAILURE_REPORT_SECONDS:
+            return
+        log.warning("accepting connections again (%d failed accept(s) since the last report)", self._failed_accepts)
+        self._failed_accepts = 0
+        self._last_failure = None
 
     def _should_defer(self) -> bool:
         if self._backoff <= 0 or self._open <= self._state.least_open_connections():
@@ -107,53 +139,16 @@ class BalancedAcceptor:
         self._state.set_open_connections(self._slot, self._open)
 
     def close(self) -> None:
+        """Stop accepting, and close this process's copy of the listening socket: while any process holds
+        it, the kernel completes handshakes into the backlog for connections nobody here will take. Others
+        serving the port (a rolling restart's new servers) hold their own copies."""
         if self._closed:
             return
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
         self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
 
     async def wait_closed(self) -> None:
         return None
-
-
-class BalancedServer(uvicorn.Server):
-    """uvicorn's Server with our accept loop in place of loop.create_server; everything else is uvicorn's:
-    its protocol classes, its lifespan, its graceful shutdown (which calls close() on what it keeps in
-    self.servers)."""
-
-    def __init__(self, config: uvicorn.Config, state: GroupState, slot: int, backoff_seconds: float):
-        super().__init__(config)
-        self._state = state
-        self._slot = slot
-        self._backoff = backoff_seconds
-        self.acceptor: BalancedAcceptor | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await self.lifespan.startup()
-        if self.lifespan.should_exit:
-            raise SystemExit(3)
-        config = self.config
-
-        def create_protocol() -> asyncio.Protocol:
-            return config.http_protocol_class(
-                config=config, server_state=self.server_state, app_state=self.lifespan.state
-            )
-
-        (listen_socket,) = sockets
-        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
-        self.servers = [self.acceptor]
-        self.started = True
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Drain without failing a client: stop accepting, answer every further request on an open
-        connection with `Connection: close`, give idle connections a moment to use that, then let uvicorn
-        close the rest and wait for the requests in flight."""
-        if self.acceptor is not None:
-            self.acceptor.close()
-        self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
-        deadline = time.monotonic() + IDLE_CONNECTION_GRACE
-        while self.server_state.connections and time.monotonic() < deadline and not self.force_exit:
-            await asyncio.sleep(0.05)
-        await super().shutdown(sockets)

@@ -4,7 +4,10 @@ The sockets are plain (blocking-API) ZMQ sockets used only with NOBLOCK: the loo
 and, when it signals, a callback drains every waiting message. zmq.asyncio would cost a future, a few
 callbacks and a dozen enum operations per message, on the path of every engine step. ZMQ's FD is
 edge-triggered and a send can consume the edge of an incoming message, so after every send the socket is
-checked for input too.
+checked for input too. A drain works in slices of DRAIN_SLICE_SECONDS: an engine that outpaces this server
+(hundreds of outputs per millisecond) would otherwise keep one drain going forever and starve everything
+else on the loop, the heartbeat included; a slice that stops with messages left schedules the next one,
+since the FD will not signal again for them.
 
 Each request gets a RequestStream (a list plus a future, lighter than an asyncio.Queue) that the reader
 fills with the request's RequestOutputs as they arrive, one batch per engine step. A request goes to the least
@@ -26,6 +29,11 @@ from ipc.sampling import SamplingParams
 from ipc.sockets import api_server_identity, connect_dealer
 
 log = logging.getLogger(__name__)
+
+# One drain handles messages for at most this long, then lets the loop run (a 128-output message takes
+# about 0.3 ms to decode and hand out, so a slice is a dozen or more engine steps). zmq.asyncio, as vLLM
+# uses it, yields after every message; a slice keeps that fairness without a future per message.
+DRAIN_SLICE_SECONDS = 0.005
 
 
 class EngineDeadError(Exception):
@@ -97,6 +105,7 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
         self.dead_reason: str | None = None
+        self._unanswered: dict[int, str] = {}  # engine rank -> why it counts as not answering (missed pings)
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
@@ -160,6 +169,12 @@ class EngineClient:
                 self._send(engine, AbortRequests(request_ids))
         self._in_flight_changed()
 
+    def abort(self, stream: RequestStream, request_id: str, indices: list[int] | None = None) -> None:
+        """Stop `request_id` of `stream` in its engine now (only its choices `indices`, when given), while
+        the stream stays open for what is on its way; `release` still ends it."""
+        if self.dead_reason is None and request_id in self._streams:
+            self._send(stream.engines[request_id], AbortRequests([request_id], indices))
+
     async def call_utility(self, engine: int, method: str, *args, timeout: float | None = None):
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -185,6 +200,18 @@ class EngineClient:
             if not future.done():
                 future.set_exception(error)
 
+    def set_unanswered(self, engine: int, reason: str | None) -> None:
+        """engine_watch's verdict on `engine`: why it is not answering pings now, or None once it does."""
+        if reason is None:
+            self._unanswered.pop(engine, None)
+        else:
+            self._unanswered[engine] = reason
+
+    @property
+    def unanswered_reason(self) -> str | None:
+        """Why an engine is not answering pings now (it may still be alive: /health says 503 meanwhile)."""
+        return next(iter(self._unanswered.values()), None)
+
     # Internals.
     def _least_loaded(self) -> int:
         if len(self._sockets) == 1:
@@ -198,6 +225,10 @@ class EngineClient:
         sock.send_multipart(codec.encode(record), flags=zmq.NOBLOCK, copy=False)
         # The send may have taken the FD's edge for a message that came in meanwhile: look for one soon.
         if not self._drain_scheduled[engine] and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule_drain(engine)
+
+    def _schedule_drain(self, engine: int) -> None:
+        if not self._drain_scheduled[engine]:
             self._drain_scheduled[engine] = True
             self._loop.call_soon(self._drain, engine)
 
@@ -206,10 +237,15 @@ class EngineClient:
             self._on_in_flight(len(self._streams))
 
     def _drain(self, engine: int) -> None:
-        """Every message waiting on `engine`'s socket, handled now (the FD only signals a change)."""
+        """The messages waiting on `engine`'s socket, handled until none is left (the FD only signals a
+        change) or the slice is over; then the rest waits for a drain scheduled after what else is ready."""
         self._drain_scheduled[engine] = False
         sock = self._sockets[engine]
+        slice_ends = time.monotonic() + DRAIN_SLICE_SECONDS
         while not sock.closed:
+            if time.monotonic() >= slice_ends:
+                self._schedule_drain(engine)
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:

@@ -111,7 +111,9 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
             gone.append(reason)
             server.should_exit = True
 
-        watcher = asyncio.create_task(watch_engines(engine, on_engine_gone), name="engine-watch")
+        watcher = asyncio.create_task(
+            watch_engines(engine, config.engine_ping_interval, on_engine_gone), name="engine-watch"
+        )
         await server.serve(sockets=[listen_socket])
         watcher.cancel()
         if gone:

@@ -1,29 +1,74 @@
 """uvicorn around the app, on the group's already-listening socket, and the loop's heartbeat.
 
-`build_http_server` is the one place that decides which uvicorn Server runs: uvicorn's protocol classes
-(httptools) behind the group's balanced accept loop (apiserver/accept_loop.py).
+`build_http_server` is the one place that decides which uvicorn Server runs: our connection protocol
+(uvicorn's httptools protocol with read timeouts, apiserver/http_connection.py) behind the group's balanced
+accept loop (apiserver/accept_loop.py). Everything else is uvicorn's: its lifespan, its graceful shutdown.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
+import time
 
 import uvicorn
 
-from apiserver.accept_loop import BalancedServer
+from apiserver.accept_loop import BalancedAcceptor
+from apiserver.http_connection import ConnectionPolicy, HttpConnection
 from ipc.config import ServeConfig
 from ipc.shared_state import GroupState
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
+# While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
+# closed) before the server closes it: closing an idle connection races with a client sending on it.
+IDLE_CONNECTION_GRACE = 1.0
 
 
-class ApiHttpServer(BalancedServer):
-    """A second SIGTERM or SIGINT stops at once (uvicorn itself forces only on a second SIGINT)."""
+class ApiHttpServer(uvicorn.Server):
+    """uvicorn's Server with our accept loop in place of loop.create_server (uvicorn's graceful shutdown
+    calls close() on what it keeps in self.servers), and our drain."""
+
+    def __init__(self, config: uvicorn.Config, policy: ConnectionPolicy, state: GroupState, slot: int,
+                 backoff_seconds: float):
+        super().__init__(config)
+        self.policy = policy
+        self._state = state
+        self._slot = slot
+        self._backoff = backoff_seconds
+        self.acceptor: BalancedAcceptor | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            raise SystemExit(3)
+
+        def create_protocol() -> asyncio.Protocol:
+            return HttpConnection(self.config, self.server_state, self.lifespan.state, self.policy)
+
+        (listen_socket,) = sockets
+        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
+        self.servers = [self.acceptor]
+        self.started = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain without failing a client that can go elsewhere: stop accepting (our copy of the listening
+        socket closed), answer every further request with `Connection: close` (with 503 when the whole group
+        stops, else served: a successor serves the port), give idle connections a moment to use that, then
+        let uvicorn close the rest and wait for the requests in flight."""
+        if self.acceptor is not None:
+            self.acceptor.close()
+        self.policy.refusing = self._state.group_stopping()
+        self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
+        deadline = time.monotonic() + IDLE_CONNECTION_GRACE
+        while self.server_state.connections and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        """A second SIGTERM or SIGINT stops at once (uvicorn itself forces only on a second SIGINT)."""
         if self.should_exit:
             self.force_exit = True
         super().handle_exit(sig, frame)
@@ -39,9 +84,10 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int) -
         server_header=False,
         proxy_headers=False,  # nothing here reads the client address; one ASGI layer less per request
         timeout_graceful_shutdown=config.shutdown_timeout,
-        timeout_keep_alive=30,
+        timeout_keep_alive=config.timeout_keep_alive,  # uvicorn's own timer, after each response
     )
-    return ApiHttpServer(uv_config, group, index, config.accept_backoff_ms / 1000.0)
+    policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header)
+    return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
 
 
 async def beat_forever(group: GroupState, index: int, on_beat=None) -> None:

@@ -5,7 +5,7 @@ It is a frozen dataclass so it pickles into `spawn`ed children unchanged and nob
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,14 @@ class ServeConfig:
     sse_keep_alive_interval: float | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    max_request_body_bytes: int = 8 * 1024 * 1024
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
     middleware: tuple[str, ...] = ()  # "module:object" ASGI middleware, outermost first
+    timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
+    timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
+    engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
 
     # Supervisor.
     shutdown_timeout: float = 30.0
@@ -62,7 +66,6 @@ class ServeConfig:
 
     # Filled in by the supervisor at start-up, not by the user.
     runtime_dir: str = ""
-    extra: dict = field(default_factory=dict)
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

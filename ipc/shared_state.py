@@ -16,7 +16,7 @@ MAX_SLOTS = 128
 # open_connections, in_flight, heartbeat, pid, admitted requests, admitted prompt tokens
 _SLOT = struct.Struct("<qqdqqq")
 _FIELDS = 6
-_GLOBAL = struct.Struct("<qq")  # dead engine rank + 1, spare
+_GLOBAL = struct.Struct("<qq")  # dead engine rank + 1, group stopping
 _GLOBAL_OFFSET = MAX_SLOTS * _SLOT.size
 SIZE = _GLOBAL_OFFSET + _GLOBAL.size
 
@@ -125,3 +125,11 @@ class GroupState:
 
     def mark_engine_dead(self, rank: int) -> None:
         self._ints[_GLOBAL_OFFSET // 8] = rank + 1
+
+    # Set by the supervisor before it stops the API servers for good (not when it drains one that a new
+    # server replaces): a draining server then answers new requests 503 instead of serving them.
+    def group_stopping(self) -> bool:
+        return bool(self._ints[_GLOBAL_OFFSET // 8 + 1])
+
+    def mark_group_stopping(self) -> None:
+        self._ints[_GLOBAL_OFFSET // 8 + 1] = 1

@@ -89,6 +89,17 @@ def _positive(ctx, param, value):
               help="exit: the group goes down (systemd restarts it); restart: restart the group in place.")
 @click.option("--accept-backoff-ms", default=_DEFAULTS.accept_backoff_ms, show_default=True,
               type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
+@click.option("--timeout-keep-alive", default=_DEFAULTS.timeout_keep_alive, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Close a connection that brings no request this many seconds (after connecting or after "
+                   "its last response).")
+@click.option("--timeout-request-header", default=_DEFAULTS.timeout_request_header, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds a request's headers may take in all, and its body between two reads; then 408 and "
+                   "the connection is closed.")
+@click.option("--engine-ping-interval", default=_DEFAULTS.engine_ping_interval, show_default=True,
+              type=click.FloatRange(0.1), help="Seconds between an API server's pings of each engine: one "
+              "unanswered this long turns /health to 503, three in a row stop the API server.")
 @click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
 @click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,
@@ -106,7 +117,10 @@ def _positive(ctx, param, value):
 @click.option("--max-num-queued-reqs", default=None, type=click.IntRange(1),
               help="Most requests admitted at once over the whole group; more get HTTP 503.")
 @click.option("--max-num-queued-tokens", default=None, type=click.IntRange(1),
-              help="Most prompt tokens admitted at once over the whole group; more get HTTP 503.")
+              help="Most prompt tokens admitted at once over the whole group; more get HTTP 503 (a "
+                   "request larger than the limit alone gets 400).")
+@click.option("--max-request-body-bytes", default=_DEFAULTS.max_request_body_bytes, show_default=True,
+              type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")

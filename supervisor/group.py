@@ -78,6 +78,7 @@ class ProcessGroup:
         """API servers drain first (up to drain_timeout), then the engines stop.
         Returns False if a second stop signal cut the drain short (everything is killed then)."""
         graceful = True
+        self.state.mark_group_stopping()  # before the SIGTERMs: the servers read it when their drain starts
         servers = [c for c in self.api_servers.values() if c.alive] + [c for c in self.draining if c.alive]
         for child in servers:
             child.stop()

@@ -64,6 +64,26 @@ class Supervise:
             time.sleep(0.2)
         raise TimeoutError(f"supervise not serving after {timeout} s:\n{self.log()[-4000:]}")
 
+    def wait_health(self, status: int = 200, timeout: float = 10.0) -> httpx.Response:
+        """Until /health answers `status` (connection errors meanwhile are retried); its last answer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                if r.status_code == status:
+                    return r
+                seen = r.status_code
+            except httpx.HTTPError as exc:
+                seen = repr(exc)
+            assert time.monotonic() < deadline, f"/health: {seen}, not {status}\n{self.log()[-3000:]}"
+            time.sleep(0.1)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) for raw sockets."""
+        host, port = self.url.rsplit("//", 1)[1].rsplit(":", 1)
+        return host, int(port)
+
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"

@@ -254,16 +254,20 @@ def test_a_killed_server_frees_its_admitted_requests(start_supervise):
 
 def test_api_server_stops_itself_when_its_engine_stops_answering(start_supervise):
     # A frozen engine never exits, so the supervisor's sentinel sees nothing: the API server's own pings must.
-    server = start_supervise(*SIM, "--max-restarts", "0")
+    server = start_supervise(*SIM, "--max-restarts", "0", "--engine-ping-interval", "1")
     engine = server.child_titled("EngineCore_DP0")
     engine.suspend()
     try:
-        assert server.wait_exit(60) == 1
+        deadline = time.monotonic() + 20
+        while "ApiServer_0 died" not in server.log():
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.1)
     finally:
         try:
-            engine.resume()
+            engine.resume()  # so that it stops at once when the group goes down
         except psutil.NoSuchProcess:
-            pass  # the supervisor killed it on the way down
+            pass
+    assert server.wait_exit(30) == 1
     log = server.log()
     assert "missed 3 ping(s) in a row" in log
     assert "ApiServer_0 died: exit code 3" in log

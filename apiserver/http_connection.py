@@ -1,0 +1,146 @@
+"""One HTTP connection: uvicorn's httptools protocol, plus the read timeouts it lacks and the drain's answer.
+
+uvicorn closes a connection left idle after a response (--timeout-keep-alive, its own timer), but holds
+forever a connection that never sends a request and a request whose headers or body never complete
+(slowloris). So each connection gets one timer of ours, armed when it is made and re-armed only when it
+fires: the fast path (a whole request in one read) pays a clock read and a few attribute writes, never a
+timer per request. When it fires it looks at what the connection is doing:
+- no request yet, for --timeout-keep-alive: closed without a word, as uvicorn closes an idle keep-alive;
+- headers not complete --timeout-request-header after the request's first byte: 408, then closed, as
+  nginx's client_header_timeout (a total for the header, so trickling bytes does not extend it);
+- the body silent for --timeout-request-header: 408, then closed, as nginx's client_body_timeout (the time
+  between two reads, so a large body on a slow link is not cut). While we stopped reading ourselves (the
+  app has not taken the body yet) the client is not waiting on us: that time does not count.
+A 408 goes out only where no response has started; otherwise the connection just closes.
+
+While the group stops, requests that arrive on open keep-alive connections get 503 with `Connection: close`
+and the OpenAI error body (ConnectionPolicy.refusing): the group will not finish new work, so the client
+retries elsewhere at once. Requests already in flight finish.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from apiserver.errors import ApiError, RequestTimeout, ShuttingDown, error_body
+
+# While we stopped reading a body (flow control), the body's timer is checked this often: once reading
+# resumes, the client gets its full timeout give or take this much.
+PAUSED_READ_RECHECK_SECONDS = 1.0
+
+
+@dataclass
+class ConnectionPolicy:
+    """What every connection of this server follows; `refusing` turns on when the group starts stopping."""
+
+    timeout_keep_alive: float
+    timeout_request_header: float
+    refusing: bool = False
+
+
+def _fixed_response(error: ApiError, reason: bytes) -> bytes:
+    body = orjson.dumps(error_body(error))
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body))
+
+
+REQUEST_TIMEOUT_RESPONSE = _fixed_response(
+    RequestTimeout("The request was not received in time: the connection is closed."), b"Request Timeout"
+)
+_SHUTTING_DOWN_BODY = orjson.dumps(error_body(ShuttingDown(
+    "The server is shutting down and takes no new requests: retry the request.", code="shutting_down"
+)))
+
+
+async def shutting_down_app(scope, receive, send) -> None:
+    """The ASGI app of a request that arrives while the group stops."""
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(_SHUTTING_DOWN_BODY)).encode()),
+        (b"connection", b"close"),
+    ]})
+    await send({"type": "http.response.body", "body": _SHUTTING_DOWN_BODY})
+
+
+class HttpConnection(HttpToolsProtocol):
+    def __init__(self, config, server_state, app_state, policy: ConnectionPolicy):
+        super().__init__(config=config, server_state=server_state, app_state=app_state)
+        self._policy = policy
+        self._timer = None
+        self._made_at = 0.0
+        self._reading_since: float | None = None  # loop time of the first byte of the request being read
+        self._last_read = 0.0  # loop time of the last piece of the request's body (or its first byte)
+        self._headers_done = False
+
+    # Connection.
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._made_at = self.loop.time()
+        self._timer = self.loop.call_later(self._policy.timeout_keep_alive, self._check_timeouts)
+
+    def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    # Parser callbacks: where a request's reading starts, progresses and ends.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading_since = self._last_read = self.loop.time()
+        self._headers_done = False
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+        if self._policy.refusing:
+            self.app = shutting_down_app  # this connection closes after the answer
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._last_read = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._reading_since = None
+        super().on_message_complete()
+
+    # The timer.
+    def _check_timeouts(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        timeout = self._policy.timeout_request_header
+        if self._reading_since is not None:
+            if not self._headers_done:
+                left = self._reading_since + timeout - now
+            elif self.flow.read_paused:
+                self._last_read = now
+                left = PAUSED_READ_RECHECK_SECONDS
+            else:
+                left = self._last_read + timeout - now
+            if left <= 0:
+                self._time_out_request()
+                return
+        elif self.scope is None:  # not a byte of a request yet
+            left = self._made_at + self._policy.timeout_keep_alive - now
+            if left <= 0:
+                self.transport.close()
+                return
+        else:
+            left = timeout  # a request is being served, or uvicorn's keep-alive timer watches the idle time
+        self._timer = self.loop.call_later(left, self._check_timeouts)
+
+    def _time_out_request(self) -> None:
+        cycle = self.cycle
+        if self._headers_done:  # the app already runs this request and waits for its body
+            answerable = not cycle.response_started
+            cycle.disconnected = True  # what it sends now goes nowhere; it reads a disconnect
+            cycle.message_event.set()
+        else:  # a response to the previous request may still be going out
+            answerable = cycle is None or cycle.response_complete
+        if answerable:
+            self.transport.write(REQUEST_TIMEOUT_RESPONSE)
+        self.transport.close()

@@ -1,0 +1,193 @@
+"""Connections as hostile or unlucky clients hold them: out of file descriptors, idle, slow, or arriving
+while the group drains. Raw sockets, so that every byte and every close is the test's own."""
+import json
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.supervise_process import Supervise
+
+SIM = ("--model", "sim:10")
+
+
+def accept_failure_lines(server) -> list[str]:
+    return [line for line in server.log().splitlines() if "accept failed" in line or "out of file descriptors" in line]
+
+
+def test_out_of_file_descriptors_pauses_accepting_then_serves_again(start_supervise):
+    server = start_supervise(*SIM)
+    api = server.child_titled("ApiServer_0")
+    # A few descriptors left: the connections below exhaust them, the rest wait in the backlog.
+    api.rlimit(psutil.RLIMIT_NOFILE, (api.num_fds() + 8, api.rlimit(psutil.RLIMIT_NOFILE)[1]))
+    clients = [socket.create_connection(server.address) for _ in range(40)]
+    try:
+        time.sleep(0.5)
+        cpu_before = sum(api.cpu_times()[:2])
+        time.sleep(3)
+        cpu = sum(api.cpu_times()[:2]) - cpu_before
+        failures = accept_failure_lines(server)
+        assert failures, server.log()[-2000:]
+        assert len(failures) <= 6, failures[:10]  # at most one report a second (3.5 s here)
+        assert "out of file descriptors" in failures[-1]
+        assert cpu < 0.6, f"{cpu:.2f} s of CPU in 3 s while out of file descriptors"
+    finally:
+        for client in clients:
+            client.close()
+    server.wait_health(200, 5)
+
+
+@pytest.fixture(scope="module")
+def short_timeouts():
+    """One group with a 1 s keep-alive and a 2 s request read timeout, shared by the timeout tests."""
+    with Supervise(*SIM, "--timeout-keep-alive", "1", "--timeout-request-header", "2") as server:
+        yield server
+
+
+def connect(server) -> socket.socket:
+    conn = socket.create_connection(server.address)
+    conn.settimeout(10)
+    return conn
+
+
+def read_until_closed(conn: socket.socket) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when (monotonic) it closed."""
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data, time.monotonic()
+
+
+def read_response(conn: socket.socket) -> bytes:
+    """One whole response with a Content-Length body, from a connection that stays open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_timeout(short_timeouts):
+    fresh = connect(short_timeouts)  # never sends a byte
+    used = connect(short_timeouts)
+    used.sendall(HEALTH)
+    assert read_response(used).startswith(b"HTTP/1.1 200")
+    idle_from = time.monotonic()
+    for conn in (fresh, used):
+        data, closed_at = read_until_closed(conn)
+        assert data == b""  # closed without a word
+        assert 0.5 < closed_at - idle_from < 3.5
+        conn.close()
+
+
+def test_headers_sent_a_byte_a_second_get_408_then_close(short_timeouts):
+    conn = connect(short_timeouts)
+    started = time.monotonic()
+    answer = b""
+    try:
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 20:
+            conn.sendall(bytes([byte]))
+            conn.settimeout(0.5)
+            try:
+                answer = conn.recv(65536)
+                break
+            except socket.timeout:
+                pass
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    conn.settimeout(10)
+    data, closed_at = read_until_closed(conn) if answer else (b"", time.monotonic())
+    answer += data
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b'"error"' in answer and b"connection: close" in answer.lower()
+    assert 1.5 < closed_at - started < 5
+    conn.close()
+
+
+def test_a_stalled_body_gets_408_then_close(short_timeouts):
+    conn = connect(short_timeouts)
+    body = b'{"model": "sim:10", "prompt": "x", "max_tokens": 1}'
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body) + 100, body))  # 100 bytes never come
+    stalled_at = time.monotonic()
+    answer, closed_at = read_until_closed(conn)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert 1.5 < closed_at - stalled_at < 5
+    conn.close()
+
+
+def test_requests_within_the_timeouts_are_unaffected(short_timeouts):
+    # A keep-alive connection used every 0.5 s outlives the 1 s keep-alive timeout; a 3 s stream outlives
+    # both timeouts; a body sent in pieces 1 s apart (under the 2 s between reads) is read whole.
+    conn = connect(short_timeouts)
+    for _ in range(4):
+        conn.sendall(HEALTH)
+        assert read_response(conn).startswith(b"HTTP/1.1 200")
+        time.sleep(0.5)
+    body = b'{"model": "sim:10", "prompt": "x", "max_tokens": 300, "ignore_eos": true, "stream": true}'
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    for piece in (body[:20], body[20:40], body[40:]):
+        time.sleep(1.0)
+        conn.sendall(piece)
+    stream = b""
+    while not stream.endswith(b"0\r\n\r\n"):
+        chunk = conn.recv(65536)
+        assert chunk, stream[-300:]
+        stream += chunk
+    assert stream.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in stream
+    assert b'"finish_reason":"length"' in stream
+    conn.sendall(HEALTH)
+    assert read_response(conn).startswith(b"HTTP/1.1 200")
+    conn.close()
+
+
+def listening_sockets(process: psutil.Process) -> list:
+    return [c for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+
+
+def test_sigterm_closes_the_listening_socket_and_answers_new_requests_503_while_streams_finish(start_supervise):
+    server = start_supervise(*SIM)
+    api = server.child_titled("ApiServer_0")
+    assert listening_sockets(api)
+    keep_alive = connect(server)
+    keep_alive.sendall(HEALTH)
+    assert read_response(keep_alive).startswith(b"HTTP/1.1 200")
+    lines = []
+    body = {"model": "sim:10", "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+    def stream():
+        with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    deadline = time.monotonic() + 5
+    while not lines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.signal(signal.SIGTERM)
+    while listening_sockets(api):  # the drain's first act: this process closes its copy
+        assert time.monotonic() < deadline + 5, server.log()[-2000:]
+        time.sleep(0.02)
+    keep_alive.sendall(HEALTH)
+    answer, _ = read_until_closed(keep_alive)
+    keep_alive.close()
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"connection: close" in head.lower()
+    assert "shutting down" in json.loads(error)["error"]["message"]
+    streamer.join(30)
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+    assert server.wait_exit(30) == 0
