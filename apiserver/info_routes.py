@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 
 import orjson
 from starlette.requests import Request
@@ -94,7 +95,11 @@ class DevRoutes:
             # The engine's own answer wins over this server's view of it; a rank that is down says why.
             engines.append({**view, **(stat if isinstance(stat, dict) else {"error": str(stat) or type(stat).__name__})})
         return json_response({
-            "api_server": {"index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight},
+            "api_server": {
+                "index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight,
+                # The top-level packages this process has imported: what a test checks the import graph with.
+                "packages": sorted({name.partition(".")[0] for name in sys.modules}),
+            },
             "config": config,
             "model": dataclasses.asdict(ctx.model),
             "engines": engines,
