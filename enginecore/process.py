@@ -5,7 +5,7 @@ CONTRACT (the supervisor relies on exactly this):
 - set the process title `supervise: EngineCore_DP<rank>`, call ipc.logs.setup_logging(f"EngineCore_DP{rank}",
   config.log_level) and ipc.lifeline.die_with_parent(lifeline);
 - resolve and load the model (enginecore.model_source), log progress, allocate the KV cache;
-- bind the ROUTER at launch.address (ipc:// beside the API servers, tcp:// on a headless node, CURVE with
+- bind the ROUTER at launch.endpoint (ipc:// beside the API servers, tcp:// on a headless node, CURVE with
   launch.curve there);
 - then send exactly one record over `ready`: ipc.model_info.EngineReady (with the address bound), or EngineFailed(user_error=True) for a
   bad --model (the supervisor prints the one line and exits 2), or EngineFailed(user_error=False) otherwise;
@@ -70,7 +70,7 @@ def _serve(launch: EngineLaunch) -> None:
     try:
         core = EngineCore(config)
         ctx = zmq.Context()
-        router = bind_router(ctx, launch.address, launch.curve)
+        router = bind_router(ctx, launch.endpoint, launch.curve)
     except (ModelNotFound, BadEngineSetting) as exc:
         ready.send(EngineFailed(rank, str(exc), user_error=True))
         sys.exit(2)

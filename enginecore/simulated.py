@@ -276,7 +276,7 @@ def run_simulated_engine_core(launch: EngineLaunch) -> None:
     try:
         info, sentence_ids = load_model_info(config)
         ctx = zmq.Context()
-        router = bind_router(ctx, launch.address, launch.curve)
+        router = bind_router(ctx, launch.endpoint, launch.curve)
     except Exception as exc:
         log.exception("simulated engine could not start")
         ready.send(EngineFailed(rank, f"simulated engine could not start: {exc}", False))

@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from ipc.config import ServeConfig
 from ipc.curve import CurveKeys
 from ipc.model_info import ModelInfo
+from ipc.sockets import engine_address
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,13 @@ class EngineLaunch:
     rank: int  # data-parallel rank: EngineCore_DP<rank>
     ready: Connection  # the child's write end: exactly one EngineReady or EngineFailed
     lifeline: Connection  # the child's read end: EOF when the supervisor is gone
-    address: str  # where its ROUTER binds: ipc:// on the head, tcp:// on a headless node (port `*`: any free one)
+    # Where its ROUTER binds: tcp:// on a headless node (port `*`: any free one); "" is the group's ipc:// address.
+    address: str = ""
     curve: CurveKeys | None = None  # the deployment's key: a TCP ROUTER admits only its holders
+
+    @property
+    def endpoint(self) -> str:
+        return self.address or engine_address(self.config.runtime_dir, self.rank)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
+from ipc.typecheck import checked
 
 
 class Record:
@@ -17,6 +18,15 @@ class Record:
     @classmethod
     def from_dict(cls, d: dict):
         return cls(**d)
+
+
+class CheckedRecord(Record):
+    """A record towards an engine, which may come from another machine: every field is checked for its type
+    (ipc/typecheck.py) before the engine reads it, so a malformed one is dropped, never raised in a step."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return checked(cls, d)
 
 
 class Kind:
@@ -38,7 +48,7 @@ class FinishReason:
 
 
 @dataclass
-class EngineRequest(Record):
+class EngineRequest(CheckedRecord):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -47,12 +57,13 @@ class EngineRequest(Record):
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineRequest":
-        d["sampling"] = SamplingParams(**d["sampling"])
-        return cls(**d)
+        if isinstance(d, dict) and "sampling" in d:
+            d["sampling"] = checked(SamplingParams, d["sampling"])
+        return checked(cls, d)
 
 
 @dataclass
-class AbortRequests(Record):
+class AbortRequests(CheckedRecord):
     request_ids: list[str]
     # None: every choice of each request. Else only these choice indices (a choice that a stop string ended
     # while the request's other choices go on); the request's other choices keep running.
@@ -61,7 +72,7 @@ class AbortRequests(Record):
 
 
 @dataclass
-class UtilityCall(Record):
+class UtilityCall(CheckedRecord):
     """A named method of the engine core (`ping`, `stats`, `reset_prefix_cache`) called by an API server."""
 
     call_id: int

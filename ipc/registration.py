@@ -8,54 +8,19 @@ ACCEPTED (its own id, so a node notices a new head) or REFUSED (one line: why), 
 LEAVING, so its ranks are marked down at once instead of after a silent interval.
 
 These messages come from the network: every field is checked for its type before anyone reads it, and a
-message that fails is dropped (MalformedMessage), never raised further.
+message that fails is dropped (MalformedMessage), never raised further. The registration port refuses messages
+over 64 KiB, which bounds the lists and strings in them.
 """
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ipc.codec import MalformedMessage, decode, encode
-
-
-class _Checked:
-    """A record whose from_dict refuses unknown or missing fields and fields of the wrong type."""
-
-    @classmethod
-    def from_dict(cls, d):
-        if not isinstance(d, dict):
-            raise TypeError("not an object")
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            if f.name not in d:
-                raise KeyError(f.name)
-            if not _is(d[f.name], hints[f.name]):
-                raise TypeError(f"{f.name} is not {hints[f.name]}")
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise TypeError(f"unknown fields {sorted(unknown)}")
-        return cls(**d)
-
-
-def _is(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and len(value) <= 64 and all(_is(v, item) for v in value)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
-    if hint is str:
-        return isinstance(value, str) and len(value) <= 1024
-    if origin in (typing.Union, types.UnionType):
-        return any(_is(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    return False
+from ipc.messages import CheckedRecord
 
 
 @dataclass
-class NodeHello(_Checked):
+class NodeHello(CheckedRecord):
     node_id: str  # random, per run of a headless supervisor
     node_name: str  # its host name, for the log lines
     data_parallel_size: int
@@ -68,18 +33,18 @@ class NodeHello(_Checked):
 
 
 @dataclass
-class NodeLeaving(_Checked):
+class NodeLeaving(CheckedRecord):
     node_id: str
     reason: str
 
 
 @dataclass
-class HelloAccepted(_Checked):
+class HelloAccepted(CheckedRecord):
     head_id: str
 
 
 @dataclass
-class HelloRefused(_Checked):
+class HelloRefused(CheckedRecord):
     reason: str
 
 

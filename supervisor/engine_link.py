@@ -81,7 +81,7 @@ class EngineLink:
                 except MalformedMessage as exc:
                     log.warning("ignoring a malformed message from EngineCore_DP%d: %s", rank, exc)
                     continue
-                if isinstance(record, UtilityResult):
+                if isinstance(record, UtilityResult) and isinstance(record.call_id, int):  # remote engines' too
                     self._on_result(record)
                 elif not isinstance(record, EngineDead):  # a dead engine's sentinel tells us that too
                     log.warning("ignoring a %s from EngineCore_DP%d", type(record).__name__, rank)
