@@ -87,6 +87,8 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes, curve: Curve
 def _secure(ctx: zmq.Context, sock: zmq.Socket, address: str, curve: CurveKeys | None, server: bool) -> None:
     if not is_tcp(address):
         return
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
     if curve is not None:

@@ -50,11 +50,13 @@ def test_a_node_in_another_network_namespace_serves_through_the_veth_pair(deploy
     rpc = free_port()
     common = ["--data-parallel-address", head_address, "--data-parallel-key-file", key_file]
     head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", *common), wait=False)
-    node = deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1", *common),
-                           prefix=["ip", "netns", "exec", namespace])
+    engine_port = free_port()  # any port is free in a namespace that has just been made
+    node = deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1", "--data-parallel-engine-port",
+                                    str(engine_port), *common), prefix=["ip", "netns", "exec", namespace])
     head.wait_serving()
     engines = httpx.get(f"{head.url}/load", timeout=10).json()["engines"]
-    assert engines[1]["address"].startswith(f"tcp://{node_address}:"), engines  # its side of the link, found alone
+    # Its own side of the link (found alone: the route toward the head), on the port it was given.
+    assert engines[1]["address"] == f"tcp://{node_address}:{engine_port}", engines
     assert f"registration port tcp://{head_address}:{rpc}" in head.log()
     for _ in range(2):
         assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
