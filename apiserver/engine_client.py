@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from apiserver.engine_loads import EngineLoads
+from apiserver.engine_loads import EngineLoads, GroupInFlight
 from ipc import codec
 from ipc.curve import CurveKeys
 from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
@@ -101,8 +101,9 @@ class RequestStream:
 
 class EngineClient:
     def __init__(self, addresses: list[str], index: int, on_in_flight=None, ranks: list[int] | None = None,
-                 curve: CurveKeys | None = None):
-        """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones."""
+                 curve: CurveKeys | None = None, group: GroupInFlight | None = None):
+        """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones;
+        `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py)."""
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
@@ -112,7 +113,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = [False] * len(addresses)
         self._streams: dict[str, RequestStream] = {}
-        self.loads = EngineLoads(len(addresses))
+        self.loads = EngineLoads(self.ranks, group)
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (engine, its answer)
         self._call_ids = itertools.count(1)
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
@@ -264,11 +265,13 @@ class EngineClient:
         """Every rank as this server sees it: up, answering pings, its last reported load, this server's
         requests there (for /load, /server_info and /metrics)."""
         loads = self.loads
+        group = loads.group_in_flight()
         return [
             {
                 "rank": rank, "address": self.addresses[i], "up": i not in self.down, "down_reason": self.down.get(i),
                 "answering": self.answering(i), "num_running": loads.running[i], "num_waiting": loads.waiting[i],
                 "kv_cache_usage": loads.kv_cache_usage[i], "in_flight_here": loads.in_flight[i],
+                "in_flight": group[i] if group is not None else loads.in_flight[i],
             }
             for i, rank in enumerate(self.ranks)
         ]

@@ -24,7 +24,9 @@ _FIELDS = 6
 _GLOBAL = struct.Struct("<qq")  # version of the rank marks (bumped on every change), group stopping
 _GLOBAL_OFFSET = MAX_SLOTS * _SLOT.size
 _RANKS_OFFSET = _GLOBAL_OFFSET + _GLOBAL.size  # one int64 per data-parallel rank: 0 live, else a RANK_DOWN code
-SIZE = _RANKS_OFFSET + MAX_RANKS * 8
+# Per slot, one int64 per rank: that server's requests in flight at the rank (the balancer's group-wide view).
+_RANK_FLIGHT_OFFSET = _RANKS_OFFSET + MAX_RANKS * 8
+SIZE = _RANK_FLIGHT_OFFSET + MAX_SLOTS * MAX_RANKS * 8
 
 # Why a rank is marked down, as the API servers tell clients.
 RANK_EXITED, RANK_NODE_SILENT, RANK_NODE_LEFT = 1, 2, 3
@@ -116,6 +118,9 @@ class GroupState:
     def _zero_counters(self, slot: int) -> None:
         for field in (_OPEN, _IN_FLIGHT):
             self._ints[self._at(slot, field)] = 0
+        row = self._rank_row(slot)
+        for i in range(row, row + MAX_RANKS):
+            self._ints[i] = 0
         self._admitted_requests[slot].store(0)
         self._admitted_tokens[slot].store(0)
 
@@ -127,6 +132,27 @@ class GroupState:
                 n = self._ints[base + _OPEN]
                 best = n if best is None or n < best else best
         return best or 0
+
+    # Requests in flight per rank (apiserver/engine_loads.py balances on the group's sums). Only the server that
+    # owns `slot` writes its row; an aligned int64 store is whole, so a reader sees each count old or new.
+    def _rank_row(self, slot: int) -> int:
+        if not 0 <= slot < MAX_SLOTS:
+            raise IndexError(f"slot {slot} out of range")
+        return _RANK_FLIGHT_OFFSET // 8 + slot * MAX_RANKS
+
+    def add_in_flight_at(self, slot: int, rank: int, delta: int) -> None:
+        self._ints[self._rank_row(slot) + rank] += delta
+
+    def in_flight_at(self, ranks: list[int]) -> list[int]:
+        """Requests in flight at each of `ranks`, summed over every live API server."""
+        totals = [0] * len(ranks)
+        ints = self._ints
+        for slot in range(MAX_SLOTS):
+            if ints[slot * _FIELDS + _PID]:
+                row = _RANK_FLIGHT_OFFSET // 8 + slot * MAX_RANKS
+                for i, rank in enumerate(ranks):
+                    totals[i] += ints[row + rank]
+        return totals
 
     # Group-wide admission (the protocol is in apiserver/admission.py).
     def admitted(self) -> tuple[int, int]:
