@@ -1,0 +1,114 @@
+"""Structured outputs as they travel to the engine: one llguidance grammar, as its JSON text.
+
+An API server turns what a request asks for (a JSON schema, any JSON object, a regex, a list of choices, a Lark or
+GBNF grammar) into this text and checks it (GrammarError: the request is refused before anything is queued). The
+text is plain data in SamplingParams.grammar; the engine compiles it against its tokenizer, caches the compiled
+form by this text, and masks every sampled token by it (enginecore/structured_output.py). Any front end (the HTTP
+API servers, a gRPC one) maps its own constraint fields through the same functions, so the engine sees one form.
+
+llguidance (not xgrammar): its wheel brings nothing else, where xgrammar's pulls triton and a TVM runtime; it
+needs no torch, so the API servers can check grammars without it; it compiles lazily (milliseconds, no up-front
+pass over the vocabulary per grammar) and computes a mask in microseconds on the CPU.
+"""
+from __future__ import annotations
+
+import json
+
+# Everything between the start of the output and the end of the reasoning: the shortest text that ends with the
+# tag (a lazy lexeme stops at the first match).
+_REASONING_RULES = 'reasoning[lazy]: /(?s:.*){end}/\nWS: /[ \\t\\r\\n]*/\n'
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; the message says what is wrong with it."""
+
+
+def _llguidance():
+    import llguidance  # here, not at the top: a process that never constrains an output never loads it
+
+    return llguidance
+
+
+def json_schema_grammar(schema: dict, strict: bool = False, any_whitespace: bool = True) -> str:
+    """Output that is one JSON value valid against `schema`. strict (OpenAI's json_schema.strict): objects that do
+    not say otherwise get no properties beyond their schema's. any_whitespace False: no whitespace between tokens
+    (small models may otherwise loop on newlines)."""
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be a JSON object")
+    if strict:
+        schema = closed_objects(schema)
+    options = None if any_whitespace else {"whitespace_flexible": False}
+    try:
+        return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def json_object_grammar(any_whitespace: bool = True) -> str:
+    return json_schema_grammar({"type": "object"}, any_whitespace=any_whitespace)
+
+
+def regex_grammar(pattern: str) -> str:
+    return _llguidance().LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    if not choices:
+        raise GrammarError("the list of choices is empty")
+    return _llguidance().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def lark_grammar(text: str) -> str:
+    """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's, what vLLM's `grammar` takes)."""
+    try:
+        return _llguidance().grammar_from("grammar", text)
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
+    """`grammar` applied after the model's reasoning: free text up to `end_tag` first. With `start_tag` the
+    output may skip reasoning, or reason between the two tags; without it the output starts inside the reasoning
+    (the prompt opened it)."""
+    inner = json.loads(grammar)["grammars"]
+    inner[0] = {**inner[0], "name": "constrained"}
+    end = _lark_regex_literal(end_tag)
+    if start_tag is None:
+        outer = "start: reasoning WS @constrained\n"
+    else:
+        outer = f"start: ({json.dumps(start_tag)} reasoning WS)? @constrained\n"
+    outer += _REASONING_RULES.format(end=end)
+    return json.dumps({"grammars": [{"lark_grammar": outer}, *inner]})
+
+
+def check(grammar: str) -> None:
+    """GrammarError naming the problem, unless `grammar` compiles. Needs no tokenizer: cheap (a millisecond or
+    so for a schema of a few properties)."""
+    llguidance = _llguidance()
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as exc:
+        error = str(exc)
+    if error:
+        raise GrammarError(error.strip())
+
+
+def closed_objects(schema):
+    """A copy of `schema` where every object schema with properties and no additionalProperties gets
+    additionalProperties false."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _lark_regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/ (Rust regex syntax, plus the delimiter)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
