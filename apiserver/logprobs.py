@@ -52,6 +52,7 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def _finite(logprob: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what vLLM sends for the same case.
-    return logprob if logprob > -9999.0 else -9999.0
+def _finite(logprob: float | None) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what vLLM sends for the same case. The engine's
+    # -inf (a token a structured output's mask bars) reaches us as null: orjson writes -inf so.
+    return logprob if logprob is not None and logprob > -9999.0 else -9999.0

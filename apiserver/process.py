@@ -56,7 +56,7 @@ def run_api_server(
 
     from apiserver.renderer import Renderer, load_tokenizer
 
-    renderer = Renderer(load_tokenizer(model.model_dir))
+    renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop))
     group.close()

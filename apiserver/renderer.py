@@ -33,10 +33,12 @@ def load_tokenizer(model_dir: str):
 
 
 class Renderer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        """chat_template: the template to use instead of the model's (--chat-template)."""
         self.hf_tokenizer = tokenizer
         self.tokenizer = tokenizer.backend_tokenizer  # tokenizers.Tokenizer: Rust, no Python per-token work
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._chat_template = chat_template
+        self.has_chat_template = bool(chat_template or getattr(tokenizer, "chat_template", None))
         self._segments = _SegmentCache(self.tokenizer)
 
     def render_chat(
@@ -45,11 +47,15 @@ class Renderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The prompt's token ids for `messages`, as the model's chat template writes them."""
-        return self._segments.encode(self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs))
+        """The prompt's token ids for `messages` (and the `tools` they may call), as the chat template writes them."""
+        return self._segments.encode(
+            self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        )
 
-    def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None) -> str:
+    def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None,
+                  tools=None) -> str:
         if not self.has_chat_template:
             raise InvalidRequest("This model has no chat template: use /v1/completions.")
         if continue_final_message and add_generation_prompt:
@@ -67,6 +73,8 @@ class Renderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=self._chat_template,
                 **kwargs,
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:

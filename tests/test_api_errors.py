@@ -47,7 +47,8 @@ def test_not_a_json_object(http, body):
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user"}]}, None),  # content may be left out; the template decides
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # a tool message names its call
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0.type"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
