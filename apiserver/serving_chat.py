@@ -2,7 +2,9 @@
 `chat.completion` body or a stream of `chat.completion.chunk` events.
 
 A request with tools (apiserver/tool_choice.py), or a server with a reasoning parser, has its choices' text read
-into reasoning, content and tool calls (apiserver/chat_output.py); a plain one streams its text as it is."""
+into reasoning, content and tool calls (apiserver/chat_output.py); a plain one streams its text as it is. A stream
+sends each choice's `role` with its first generated text, not before the prompt is computed: a client timing the
+first chunk then times the first token, as with vLLM."""
 from __future__ import annotations
 
 import json
@@ -156,24 +158,25 @@ class ChatServing(GenerationServing):
 
 
 class ChatChunkWriter(ChunkWriterBase):
-    """Streamed `chat.completion.chunk` events: a first one with the role, then each choice's delta."""
+    """Streamed `chat.completion.chunk` events: each choice's deltas, its first one with the role."""
 
     def __init__(self, serving: ChatServing, response_id: str, created: int, top_n: int):
         ctx = serving.ctx
         super().__init__(chunk_head(response_id, b"chat.completion.chunk", created, ctx.model_name), ctx.config)
         self._logprobs = serving.logprobs
         self._top_n = top_n
+        self._roleless: set[int] = set()  # choices whose first event is still to come
 
     def first(self, generation: Generation) -> bytes:
-        head = self._head
-        return b"".join(
-            head + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-            % choice.index
-            for choice in generation.choices
-        )
+        self._roleless = {choice.index for choice in generation.choices}
+        return b""
 
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
-        delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
+        if index in self._roleless:
+            self._roleless.discard(index)
+            delta = b'{"role":"assistant","content":' + orjson.dumps(text) + b"}"
+        else:
+            delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
         return self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n' % (index, delta, logprobs, tail)
 
     def logprobs_json(self, delta: Delta) -> bytes:
@@ -199,6 +202,9 @@ class ShapedChatChunkWriter(ChatChunkWriter):
             logprobs = self.logprobs_json(delta) if delta.logprobs else b"null"
             if not fields and finish is None and logprobs == b"null":
                 continue
+            if delta.index in self._roleless:
+                self._roleless.discard(delta.index)
+                fields = {"role": "assistant", **fields}
             if finish is None:
                 tail = b',"finish_reason":null'
             else:

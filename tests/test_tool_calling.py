@@ -69,6 +69,8 @@ def test_named_function_whole_and_streamed(client, model):
     calls, finish, chunks = _streamed(client.chat.completions.create(stream=True, **args))
     assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.tool_calls  # the role comes with the first generated text
 
 
 def test_required_with_two_tools_whole_and_streamed(client, model):
