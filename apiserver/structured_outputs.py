@@ -5,7 +5,8 @@ The fields, on both chat and completions:
 - `response_format`: `{"type": "json_object"}`, or `{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"}}` (OpenAI's); `{"type": "text"}` constrains nothing;
 - `structured_outputs` (vLLM's extras): one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`
-  (Lark or GBNF), with `disable_any_whitespace` and `disable_additional_properties`.
+  (Lark or GBNF), with `disable_any_whitespace`. An object schema that lists its properties gets no others unless it
+  says so (ipc/grammar.py), so `strict` and `disable_additional_properties` are accepted and change nothing.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def requested_grammar(request) -> str | None:
     if spec is None:
         raise InvalidRequest("`response_format` of type json_schema needs `json_schema`.", param="response_format")
     schema = spec.schema_ if spec.schema_ is not None else {}
-    return _schema_grammar(schema, bool(spec.strict), True, "response_format.json_schema.schema")
+    return _schema_grammar(schema, True, "response_format.json_schema.schema")
 
 
 def _extras_grammar(extras) -> str:
@@ -54,7 +55,7 @@ def _extras_grammar(extras) -> str:
                     schema = json.loads(schema)
                 except ValueError as exc:
                     raise InvalidRequest(f"`{param}` is not valid JSON: {exc}.", param=param) from None
-            return _schema_grammar(schema, extras.disable_additional_properties, any_whitespace, param)
+            return _schema_grammar(schema, any_whitespace, param)
         if kind == "json_object":
             return grammars.json_object_grammar(any_whitespace)
         if kind == "regex":
@@ -66,9 +67,9 @@ def _extras_grammar(extras) -> str:
         raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None
 
 
-def _schema_grammar(schema, strict: bool, any_whitespace: bool, param: str) -> str:
+def _schema_grammar(schema, any_whitespace: bool, param: str) -> str:
     try:
-        return grammars.json_schema_grammar(schema, strict, any_whitespace)
+        return grammars.json_schema_grammar(schema, any_whitespace)
     except grammars.GrammarError as exc:
         raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None
 

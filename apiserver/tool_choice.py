@@ -71,9 +71,7 @@ def _call_schema(function) -> dict:
 
 
 def _parameters(function) -> dict:
-    """The function's arguments schema; with `strict` (OpenAI's), no arguments beyond it."""
-    schema = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
-    return grammars.closed_objects(schema) if function.strict else schema
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
 
 
 def _grammar(schema: dict, param: str) -> str:

@@ -29,14 +29,14 @@ def _llguidance():
     return llguidance
 
 
-def json_schema_grammar(schema: dict, strict: bool = False, any_whitespace: bool = True) -> str:
-    """Output that is one JSON value valid against `schema`. strict (OpenAI's json_schema.strict): objects that do
-    not say otherwise get no properties beyond their schema's. any_whitespace False: no whitespace between tokens
-    (small models may otherwise loop on newlines)."""
+def json_schema_grammar(schema: dict, any_whitespace: bool = True) -> str:
+    """Output that is one JSON value valid against `schema`. Objects whose schema lists properties and says nothing
+    of others get none beyond them (what xgrammar, vLLM's default backend, does, and OpenAI's strict mode asks):
+    still valid against the schema, and a small model does not wander off into keys of its own. any_whitespace
+    False: no whitespace between tokens."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
-    if strict:
-        schema = closed_objects(schema)
+    schema = closed_objects(schema)
     options = None if any_whitespace else {"whitespace_flexible": False}
     try:
         return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
@@ -94,16 +94,31 @@ def check(grammar: str) -> None:
 
 
 def closed_objects(schema):
-    """A copy of `schema` where every object schema with properties and no additionalProperties gets
-    additionalProperties false."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+    """A copy of `schema` where every object schema that lists properties and says nothing of others gets
+    additionalProperties false, through every keyword that holds schemas."""
     if not isinstance(schema, dict):
         return schema
-    closed = {k: closed_objects(v) for k, v in schema.items()}
-    if "properties" in closed and "additionalProperties" not in closed:
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub) for sub in closed[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_objects(closed[key])
+    if "properties" in closed and "additionalProperties" not in closed and "patternProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Not allOf: properties spread over its members would make each member refuse the others' (and the whole refuse
+# everything).
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "additionalItems")
 
 
 def _lark_regex_literal(text: str) -> str:
