@@ -6,7 +6,6 @@ are slow there and the model is small) and bfloat16 on CUDA.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -64,18 +63,6 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
     if dtype is None:
         raise BadEngineSetting(f"--dtype {spec}: expected auto, float32, bfloat16 or float16")
     return dtype
-
-
-def set_cpu_threads() -> None:
-    """The engine core is the only compute process of the group: give torch every core it may run on, unless the
-    operator chose a number with OMP_NUM_THREADS (torch already took it from there)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores))
 
 
 def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: str = "auto",

@@ -43,6 +43,7 @@ class EngineServer:
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
+            "abort_client": self._abort_client,  # the supervisor, when an API server is gone
         }
 
     def serve_forever(self) -> None:
@@ -88,6 +89,9 @@ class EngineServer:
             self._send(identity, self._call(record))
         else:
             log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
+
+    def _abort_client(self, identity: str) -> int:
+        return self._compiling.drop_client(identity.encode()) + self.core.abort_client(identity)
 
     def _call(self, call: UtilityCall) -> UtilityResult:
         method = self._utilities.get(call.method)

@@ -265,3 +265,10 @@ class CompilingRequests:
                                           num_prompt_tokens=len(request.prompt_token_ids))
                             for i in range(max(1, request.sampling.n))]
         return outputs
+
+    def drop_client(self, client: bytes) -> int:
+        """Forget the held requests of an API server that is gone; how many."""
+        keys = [key for key in self._waiting if key[0] == client]
+        for key in keys:
+            del self._waiting[key]
+        return len(keys)

@@ -22,6 +22,7 @@ class ServeConfig:
     # Engine core.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    quantization: str = "auto"  # auto | none | int8 (CPU); auto: int8 on the CPU for a GGUF model, else none
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

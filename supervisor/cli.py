@@ -12,7 +12,7 @@ from ipc.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig
 _DEFAULTS = ServeConfig()
 
 
-def _list_option(ctx, param, value):
+def _list_option(click_context, param, value):
     """A JSON list (as vLLM takes it) or a comma-separated list -> a tuple of strings."""
     if value is None:
         return ()
@@ -28,7 +28,7 @@ def _list_option(ctx, param, value):
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _chat_template(ctx, param, value):
+def _chat_template(click_context, param, value):
     """A file's text, or the template itself (vLLM takes both); its Jinja syntax is checked now, not per request."""
     if value is None:
         return None
@@ -48,7 +48,7 @@ def _chat_template(ctx, param, value):
     return text
 
 
-def _positive(ctx, param, value):
+def _positive(click_context, param, value):
     if value is not None and value <= 0:
         raise click.BadParameter("must be greater than 0")
     return value
@@ -73,6 +73,12 @@ def _positive(ctx, param, value):
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Weights and activations: auto is float32 on the CPU, bfloat16 on CUDA.")
+@click.option("--quantization", "-q", default=_DEFAULTS.quantization, show_default=True,
+              type=click.Choice(["auto", "none", "bf16", "int8"]),
+              help="Matrix products on the CPU (the rest stays float32): none (float32 weights), bf16 (bfloat16 "
+                   "weights and inputs), int8 (int8 weights per channel, activations per token). auto: for a GGUF "
+                   "model (the embedded one) the fastest that keeps float32's greedy tokens, measured at start-up "
+                   "(bf16 where the CPU has native bfloat16, else int8); otherwise none. See README.")
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
               help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--max-num-seqs", default=_DEFAULTS.max_num_seqs, show_default=True, type=click.IntRange(1),
@@ -93,6 +99,9 @@ def _positive(ctx, param, value):
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, type=int, help="Engine random seed.")
 @click.option("--engine-ready-timeout", default=_DEFAULTS.engine_ready_timeout, show_default=True,
               type=click.FloatRange(1), help="Seconds the engine cores may take to load the model.")
+@click.option("--api-server-ready-timeout", default=_DEFAULTS.api_server_ready_timeout, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds an API server may take to start serving (then it is killed).")
 @click.option("--shutdown-timeout", default=_DEFAULTS.shutdown_timeout, show_default=True,
               type=click.FloatRange(0), help="Seconds in-flight requests may take to finish on SIGTERM.")
 @click.option("--heartbeat-timeout", default=_DEFAULTS.heartbeat_timeout, show_default=True,
