@@ -40,8 +40,8 @@ def json_schema_grammar(schema: dict, any_whitespace: bool = True) -> str:
     options = None if any_whitespace else {"whitespace_flexible": False}
     try:
         return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
-    except ValueError as exc:
-        raise GrammarError(str(exc)) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # whatever the client sent, a 400, never a 500
+        raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
 def json_object_grammar(any_whitespace: bool = True) -> str:
@@ -62,8 +62,8 @@ def lark_grammar(text: str) -> str:
     """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's, what vLLM's `grammar` takes)."""
     try:
         return _llguidance().grammar_from("grammar", text)
-    except ValueError as exc:
-        raise GrammarError(str(exc)) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # the GBNF converter is Python: it may raise anything
+        raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
 def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
@@ -87,8 +87,8 @@ def check(grammar: str) -> None:
     llguidance = _llguidance()
     try:
         error = llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as exc:
-        error = str(exc)
+    except (ValueError, TypeError) as exc:
+        error = str(exc) or type(exc).__name__
     if error:
         raise GrammarError(error.strip())
 
