@@ -50,7 +50,7 @@ class EngineCore:
             raise BadEngineSetting("block size, max-num-seqs and max-num-batched-tokens must be positive")
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype)
+            loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
         self.quantization = resolve_quantization(config.quantization, config.model, loaded.device, loaded.dtype)
         cpu_model = None
         if loaded.device.type == "cpu":
