@@ -10,8 +10,6 @@ The fields, on both chat and completions:
 """
 from __future__ import annotations
 
-import json
-
 from apiserver.errors import InvalidRequest
 from ipc import grammar as grammars
 
@@ -45,26 +43,11 @@ def _extras_grammar(extras) -> str:
             param="structured_outputs",
         )
     kind = given[0]
-    param = f"structured_outputs.{kind}"
-    any_whitespace = not extras.disable_any_whitespace
+    value = getattr(extras, kind + "_" if kind == "json" else kind)
     try:
-        if kind == "json":
-            schema = extras.json_
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise InvalidRequest(f"`{param}` is not valid JSON: {exc}.", param=param) from None
-            return _schema_grammar(schema, any_whitespace, param)
-        if kind == "json_object":
-            return grammars.json_object_grammar(any_whitespace)
-        if kind == "regex":
-            return grammars.regex_grammar(extras.regex)
-        if kind == "choice":
-            return grammars.choice_grammar(extras.choice)
-        return grammars.lark_grammar(extras.grammar)
+        return grammars.from_constraint(kind, value, not extras.disable_any_whitespace)
     except grammars.GrammarError as exc:
-        raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None
+        raise InvalidRequest(f"Invalid `structured_outputs.{kind}`: {exc}", param=f"structured_outputs.{kind}") from None
 
 
 def _schema_grammar(schema, any_whitespace: bool, param: str) -> str:

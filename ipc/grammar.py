@@ -66,6 +66,28 @@ def lark_grammar(text: str) -> str:
         raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
+def from_constraint(kind: str, value, any_whitespace: bool = True) -> str:
+    """The grammar of one constraint by its name, as the API's extras (and the gRPC protocol's constraints) name
+    them: `json` (a schema, as an object or its JSON text), `json_object`, `regex`, `choice` (a list of strings),
+    `grammar` (Lark or GBNF). GrammarError for anything that cannot be one."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise GrammarError(f"the schema is not valid JSON: {exc}") from None
+        return json_schema_grammar(value, any_whitespace)
+    if kind == "json_object":
+        return json_object_grammar(any_whitespace)
+    if kind == "regex" and isinstance(value, str):
+        return regex_grammar(value)
+    if kind == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+        return choice_grammar(value)
+    if kind == "grammar" and isinstance(value, str):
+        return lark_grammar(value)
+    raise GrammarError(f"not a constraint: {kind!r}")
+
+
 def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
     """`grammar` applied after the model's reasoning: free text up to `end_tag` first. With `start_tag` the
     output may skip reasoning, or reason between the two tags; without it the output starts inside the reasoning
