@@ -46,7 +46,7 @@ def run_api_server(launch: ApiServerLaunch) -> None:
 
     from apiserver.renderer import Renderer, load_tokenizer
 
-    renderer = Renderer(load_tokenizer(model.model_dir))
+    renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template)
     _return_freed_heap()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_serve(launch, group, renderer, stop))
