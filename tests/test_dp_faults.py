@@ -133,13 +133,23 @@ def test_a_restarted_head_finds_the_node_loaded_and_a_node_without_head_waits_an
     node = deployment.node(*node_args(rpc))
     first.wait_serving()
     engine_pid = node.engine_pids()[1]
-    assert first.stop() == 0
+    orphan = httpx.Client(timeout=30)  # a long stream on rank 1, left running when its head dies
+    stream = orphan.stream("POST", f"{first.url}/v1/completions", headers={"X-data-parallel-rank": "1"},
+                           json={"model": SIM_MODEL, "prompt": "x", "max_tokens": 5000, "ignore_eos": True,
+                                 "stream": True})
+    assert stream.__enter__().status_code == 200
+    for process in [psutil.Process(first.pid), *first.children()]:  # the head dies: nobody aborts the stream
+        process.kill()
+    orphan.close()
     wait_for(lambda: "no answer from the head" in node.log(), 15, "the node to notice", node)
 
-    second = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"))
+    second = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), env={"SUPERVISE_DEV_MODE": "1"})
     wait_for(lambda: "registered with a new head" in node.log(), 15, "the node to register again", node)
     assert "registers again after a head restart: its engines kept their model" in second.log()
     assert node.engine_pids() == {1: engine_pid}  # the same engine process: the model was not loaded again
+    # The dead head's stream was aborted on the node's engine when the node found the new head.
+    engine = wait_for(lambda: _rank_stats(second.url, 1, lambda e: e["num_running"] == 0), 15, "the abort", node)
+    assert engine["num_aborted"] >= 1
     before = served_by_rank(second.url)[1]
     assert complete(second.url, {"X-data-parallel-rank": "1"}).status_code == 200
     assert served_by_rank(second.url)[1] == before + 1
@@ -153,4 +163,8 @@ def test_a_restarted_head_finds_the_node_loaded_and_a_node_without_head_waits_an
     node.signal(signal.SIGTERM)
     assert node.wait_exit(30) == 0
     assert not wait_gone(engines, 5)
-    assert psutil.pid_exists(engine_pid) is False or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _rank_stats(url: str, rank: int, ok) -> dict | None:
+    engine = httpx.get(f"{url}/server_info", timeout=5).json()["engines"][rank]
+    return engine if ok(engine) else None
