@@ -81,8 +81,8 @@ class EngineCore:
             self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len)
             self.runner.capture_common()
 
-        self.pool = KVBlockPool(num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.pool = KVBlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = model_facts.eos_token_ids(loaded.hf_config, loaded.generation_config)
         self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids, config.seed)
@@ -197,7 +197,7 @@ class EngineCore:
             logits = self._keep_prompt_logprobs(logits, inputs)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
-            self.scheduler.register_full_blocks(seq)
+            self.pool.register_full_blocks(seq)
 
         seqs, rows = [], []
         for row, seq in enumerate(inputs.sample_seqs):
@@ -258,12 +258,11 @@ class EngineCore:
                 seq_id=next(self._seq_ids), request_id=parent.request_id, client=parent.client, index=index,
                 token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
                 sampling=parent.sampling, priority=parent.priority, arrival=parent.arrival, generator=generator,
-                block_table=list(parent.block_table), num_computed_tokens=parent.num_computed_tokens,
+                num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens, block_hashes=list(parent.block_hashes),
                 num_registered_blocks=parent.num_registered_blocks, num_prompt_logprobs=parent.num_prompt_logprobs,
             )
-            for block in child.block_table:
-                self.pool.share(block)
+            self.pool.fork(parent, child)
             self.scheduler.add_running(child)
             siblings.append(child)
             children.append(child)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from enginecore.block_pool import hash_block
 from ipc.sampling import SamplingParams
 
 
@@ -30,12 +29,13 @@ class Sequence:
     arrival: int
     generator: torch.Generator | None = None  # per-request seed: the same draws whatever the batch
     status: SequenceStatus = SequenceStatus.WAITING
+    # The KV cache state below belongs to the block pool (enginecore.block_pool): only its verbs change it.
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    block_hashes: list[bytes] = field(default_factory=list)  # content digests of the leading full blocks
+    num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
     num_forks_pending: int = 0  # choices still to fork from this one once its prompt is computed
-    block_hashes: list[int] = field(default_factory=list)  # content hashes of the leading full blocks
-    num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
@@ -72,12 +72,3 @@ class Sequence:
     @property
     def needs_prompt_logprobs(self) -> bool:
         return self.sampling.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
-
-    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
-        """Content hashes of the first `num_blocks` full blocks of token_ids, computed once and kept."""
-        hashes = self.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
-        return hashes[:num_blocks]

@@ -61,9 +61,9 @@ def record_preemptions(engine: EngineCore) -> list[str]:
     preempted: list[str] = []
     preempt = engine.scheduler._preempt
 
-    def recording(seq, batch):
+    def recording(seq):
         preempted.append(seq.request_id)
-        preempt(seq, batch)
+        preempt(seq)
 
     engine.scheduler._preempt = recording
     return preempted
