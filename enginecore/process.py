@@ -62,7 +62,7 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
 
     from enginecore.engine import EngineCore
     from enginecore.loader import BadEngineSetting
-    from enginecore.model_source import ModelNotFound
+    from enginecore.model_source import ModelSourceError
     from enginecore.serve_loop import EngineServer
 
     config = _device_for_rank(config, rank)
@@ -70,7 +70,7 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
         core = EngineCore(config)
         ctx = zmq.Context()
         router = bind_router(ctx, engine_address(config.runtime_dir, rank))
-    except (ModelNotFound, BadEngineSetting) as exc:
+    except (ModelSourceError, BadEngineSetting) as exc:
         ready.send(EngineFailed(rank, str(exc), user_error=True))
         sys.exit(2)
     except Exception as exc:
