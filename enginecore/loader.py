@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from enginecore.engine_base import BadEngineSetting
 from enginecore.model_source import ModelSourceError, dummy_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy")
-
-
-class BadEngineSetting(Exception):
-    """A setting the user gave cannot work (unknown dtype, no CUDA, ...): reported as one line, exit code 2."""
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""EngineServer: the engine core's loop behind its ZMQ ROUTER.
+"""EngineServer: an engine's loop behind its ZMQ ROUTER, the same for the real engine and the simulated one (any
+enginecore.engine_base.EngineBase).
 
 One thread does everything, so the socket (not thread-safe) has one owner and there is no lock on the engine:
-  - idle: block in poll() until a message comes (no CPU used, no busy polling);
+  - idle: block in poll() until a message or a signal comes (no CPU used, no busy polling);
   - busy: take every message already queued (ADD, ABORT, UTILITY) without waiting, run one engine step, and send
-    each API server one EngineOutputs with its sequences' new tokens.
-Messages that arrive during a step's forward pass wait in ZMQ's queue and are taken before the next step.
+    each API server one EngineOutputs with its sequences' new tokens and the engine's load.
+Messages that arrive during a step (a forward pass, or the simulated engine waiting for its next tick) wait in
+ZMQ's queue and are taken before the next step. A request the engine cannot take fails alone (an 'error' output);
+an exception out of a step ends the loop: the process tells every API server ENGINE_DEAD and exits 1.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import socket
 
 import zmq
 
-from enginecore.engine import EngineCore
+from enginecore.engine_base import EngineBase
 from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
                           UtilityResult)
@@ -23,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, router: zmq.Socket):
+    def __init__(self, core: EngineBase, router: zmq.Socket):
         self.core = core
         self.router = router
         self.clients: set[bytes] = set()  # every API server heard from: they all hear of our death
@@ -40,7 +43,7 @@ class EngineServer:
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
-            "abort_client": core.abort_client,  # the supervisor, when an API server is gone
+            "abort_client": core.abort_client,  # the supervisor's, when an API server died
         }
 
     def serve_forever(self) -> None:
@@ -73,9 +76,8 @@ class EngineServer:
         if isinstance(record, EngineRequest):
             self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
         elif isinstance(record, AbortRequests):
-            if record.indices is not None:
-                return  # aborting single choices comes with the engine's side of it; until then they run on
-            self._send_outputs([(identity, o) for o in self.core.abort(record.request_ids, identity)])
+            outputs = self.core.abort(record.request_ids, identity, record.indices)
+            self._send_outputs([(identity, o) for o in outputs])
         elif isinstance(record, UtilityCall):
             self._send(identity, self._call(record))
         else:
@@ -96,9 +98,9 @@ class EngineServer:
         by_client: dict[bytes, list[RequestOutput]] = {}
         for client, output in outputs:
             by_client.setdefault(client, []).append(output)
-        scheduler = self.core.scheduler
+        load = self.core.load()
         for client, outs in by_client.items():
-            self._send(client, EngineOutputs(outs, len(scheduler.running), scheduler.num_waiting, self.core.pool.usage))
+            self._send(client, EngineOutputs(outs, *load))
 
     def _send(self, identity: bytes, record) -> None:
         self.router.send_multipart([identity, *encode(record)], copy=False)

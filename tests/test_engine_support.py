@@ -69,6 +69,18 @@ def record_preemptions(engine: EngineCore) -> list[str]:
     return preempted
 
 
+def run_outputs(engine: EngineCore, requests: list[EngineRequest]) -> dict[tuple[str, int], list]:
+    """Run `requests` to completion: every output of every choice, in order, by (request_id, index)."""
+    outputs: dict[tuple[str, int], list] = {}
+    for request in requests:
+        for out in engine.add_request(request):
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    while engine.has_work():
+        for _, out in engine.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    return outputs
+
+
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **sampling) -> EngineRequest:
     return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling))
 
