@@ -6,8 +6,9 @@ them), so tests and benchmarks drive it in-process:
     while core.has_work():
         for client, output in core.step(): ...   # RequestOutput deltas, client as given to add_request
 
-A step: schedule -> pack the batch -> one forward pass -> sample -> append, check for the finish, report. The
-request bookkeeping (keys, choices, abort, finish) is enginecore.engine_base's, shared with the simulated engine.
+A step: schedule -> pack the batch -> one forward pass -> the structured-output mask of its constrained rows
+(enginecore.structured_output) -> sample -> append, check for the finish, report. The request bookkeeping (keys,
+choices, grammars' matchers, abort, finish) is enginecore.engine_base's, shared with the simulated engine.
 
 A request whose row the sampler cannot sample fails alone (an 'error' output for each of its choices); a failing
 forward pass is fatal (the KV cache may be half written), as in vLLM.
@@ -20,6 +21,7 @@ no token: the prompt is computed for its logprobs only (echo with max_tokens 0).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -34,6 +36,7 @@ from enginecore.model_runner import ModelRunner
 from enginecore.sampler import Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
 from enginecore.sequence import Sequence
+from enginecore.structured_output import StructuredOutputs
 from ipc.config import ServeConfig
 from ipc.messages import RequestOutput
 from ipc.model_info import ModelInfo
@@ -87,6 +90,9 @@ class EngineCore(EngineBase):
                          model_facts.eos_token_ids(loaded.hf_config, loaded.generation_config),
                          use_priority=config.scheduling_policy == "priority")
         self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids, config.seed)
+        self.structured = StructuredOutputs(os.path.join(loaded.model_dir, "tokenizer.json"), self.vocab_size,
+                                            self.eos_token_ids)
+        self.grammar_compiler = self.structured.compiler
         self.model_info = ModelInfo(
             model_dir=loaded.model_dir,
             max_model_len=self.max_model_len,
@@ -120,12 +126,17 @@ class EngineCore(EngineBase):
     def _start_fork(self, parent: Sequence, child: Sequence) -> None:
         self.pool.fork(parent, child)
         self.scheduler.add_running(child)
+        if child.grammar is not None:
+            self.structured.forked(child)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
 
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _constrain(self, seq: Sequence) -> str | None:
+        return self.structured.start(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -157,11 +168,12 @@ class EngineCore(EngineBase):
                 rows.append(row)
         if len(rows) != len(inputs.sample_seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        allowed = self.structured.mask(seqs)
         try:
-            result = self.sampler.sample(logits, seqs)
+            result = self.sampler.sample(logits, seqs, allowed)
         except Exception:
             log.exception("sampling %d rows at once failed: sampling them one by one", len(seqs))
-            result = self.sampler.sample_each(logits, seqs)
+            result = self.sampler.sample_each(logits, seqs, allowed)
 
         outputs = []
         for seq, error in zip(seqs, result.errors or ()):

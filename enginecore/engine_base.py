@@ -9,11 +9,17 @@ the real engine (enginecore.engine.EngineCore) and the simulated one (enginecore
     load() -> EngineLoad                         sent to the API servers with every batch of outputs
     stats(), reset_prefix_cache()                utility calls
     model_info                                   what the supervisor hands on to the API servers
+    grammar_compiler                             compiles structured-output grammars (None: the engine takes
+                                                 none); the serve loop compiles through it, off the loop
 
 Each engine keeps only what differs: how sequences are scheduled and how their tokens are made (_schedule,
-_start_fork, _release, _generator, step, has_work, load). A request is keyed by (client, request_id): two API
-servers may use the same request id. Its first sequence is choice 0; the other n-1 choices are forked from it
-once its prompt is computed (until then they are its pending_forks).
+_start_fork, _release, _generator, _constrain, step, has_work, load). A request is keyed by (client, request_id):
+two API servers may use the same request id. Its first sequence is choice 0; the other n-1 choices are forked from
+it once its prompt is computed (until then they are its pending_forks).
+
+Structured outputs: _add gives a constrained sequence its matcher (_constrain), Sequence.fork copies it to the
+forked choices, _emit advances it by each token (a token it refuses fails that choice) and ends the choice with
+'stop' once the grammar is complete; the step's mask is the real engine's (enginecore.structured_output).
 
 A request the engine cannot take fails alone: one output per choice with finish reason "error" and the reason,
 never an exception out of add_request. No torch here: the simulated engine never loads it.
@@ -53,6 +59,7 @@ def choice_seed(seed: int, index: int) -> int:
 
 class EngineBase:
     model_info: ModelInfo
+    grammar_compiler = None  # enginecore.grammar_compiler.GrammarCompiler where the engine takes grammars
 
     def __init__(self, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...], use_priority: bool):
         self.max_model_len = max_model_len
@@ -93,6 +100,11 @@ class EngineBase:
         """A random generator seeded `seed` for one choice (None: the engine draws no random numbers)."""
         return None
 
+    def _constrain(self, seq: Sequence) -> str | None:
+        """seq's request has a grammar (sampling.grammar): give seq its matcher (seq.grammar), or say why it
+        cannot have one. By default none: the simulated engine's tokens are its sentence's, grammar or not."""
+        return None
+
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest, client: bytes | None = None) -> list[RequestOutput]:
         """Queue a request. Returns outputs at once only for one that does not run (finished or failed)."""
@@ -101,7 +113,7 @@ class EngineBase:
         except BadRequest as exc:
             log.warning("request %r failed: %s", request.request_id, exc)
             self.num_failed += 1
-            return _finished_at_once(request, FinishReason.ERROR, str(exc))
+            return finished_at_once(request, FinishReason.ERROR, str(exc))
         key = (client, request.request_id)
         if key in self.requests:
             log.warning("request %s is already running: ignoring the duplicate", request.request_id)
@@ -112,7 +124,7 @@ class EngineBase:
             log.exception("request %s could not be added", request.request_id)
             self.requests.pop(key, None)
             self.num_failed += 1
-            return _finished_at_once(request, FinishReason.ERROR, one_line(exc))
+            return finished_at_once(request, FinishReason.ERROR, one_line(exc))
 
     def _add(self, key: RequestKey, request: EngineRequest) -> list[RequestOutput]:
         p = request.sampling
@@ -120,9 +132,9 @@ class EngineBase:
         reason = self._refusal(prompt, p)
         if reason is not None:
             log.warning("request %s finished at once: %s", request.request_id, reason[1])
-            return _finished_at_once(request, reason[0])
+            return finished_at_once(request, reason[0])
         if p.max_tokens == 0 and p.prompt_logprobs is None:  # nothing to compute (echo with max_tokens 0)
-            return _finished_at_once(request, FinishReason.LENGTH)
+            return finished_at_once(request, FinishReason.LENGTH)
         seq = Sequence(
             seq_id=next(self._seq_ids), request_id=request.request_id, client=key[0], index=0,
             token_ids=prompt, num_prompt_tokens=len(prompt), sampling=p,
@@ -130,6 +142,12 @@ class EngineBase:
             generator=self._choice_generator(p, 0), pending_forks=list(range(1, max(1, p.n))),
             pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
         )
+        if p.grammar is not None:
+            error = self._constrain(seq)
+            if error is not None:
+                log.warning("request %s failed: %s", request.request_id, error)
+                self.num_failed += 1
+                return finished_at_once(request, FinishReason.ERROR, error)
         self.requests[key] = [seq]
         self._schedule(seq)
         return []
@@ -230,14 +248,17 @@ class EngineBase:
         prompt_logprobs = seq.pending_prompt_logprobs
         if prompt_logprobs is not None:
             seq.pending_prompt_logprobs = None
+        error = None
         if seq.sampling.max_tokens == 0:  # the prompt's logprobs only: no token
             new, token_logprobs, finish, stop = [], None, FinishReason.LENGTH, None
+        elif seq.grammar is not None and not seq.grammar.accept(token):  # the grammar refuses it: this choice fails
+            new, token_logprobs, finish, stop, error = [], None, FinishReason.ERROR, None, seq.grammar.error
         else:
             seq.token_ids.append(token)
             finish, stop = self._finish_reason(seq, token)
             new, token_logprobs = [token], [logprobs] if logprobs is not None else None
         output = RequestOutput(seq.request_id, new, seq.index, finish, stop, seq.num_prompt_tokens,
-                               seq.num_cached_tokens, token_logprobs, prompt_logprobs)
+                               seq.num_cached_tokens, token_logprobs, prompt_logprobs, error)
         if finish is not None:
             self._release(seq)
             if self._forget_if_done((seq.client, seq.request_id)):
@@ -251,6 +272,8 @@ class EngineBase:
                 return FinishReason.STOP, token
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP, None
+        if seq.grammar is not None and seq.grammar.done:  # the constrained output is complete
+            return FinishReason.STOP, None
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
@@ -293,7 +316,7 @@ def _choice_output(seq: Sequence, index: int, reason: str, error: str | None = N
                          num_cached_tokens=seq.num_cached_tokens, error=error)
 
 
-def _finished_at_once(request: EngineRequest, reason: str, error: str | None = None) -> list[RequestOutput]:
+def finished_at_once(request: EngineRequest, reason: str, error: str | None = None) -> list[RequestOutput]:
     """One finished output, with no token, per choice of a request that runs no step (its fields may be of any
     type here: this also answers a request that failed its check)."""
     n = request.sampling.n

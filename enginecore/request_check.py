@@ -30,6 +30,8 @@ def check_request(request: EngineRequest) -> None:
     _ints(p.stop_token_ids, "stop_token_ids")
     if not isinstance(p.ignore_eos, bool):
         raise BadRequest("ignore_eos must be a boolean")
+    if p.grammar is not None and not isinstance(p.grammar, str):
+        raise BadRequest("grammar must be a string (llguidance's JSON)")
 
 
 def _int(value, name: str) -> None:

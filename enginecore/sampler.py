@@ -7,10 +7,13 @@ uniform number per row (a multinomial draw that needs one random number, not one
 [rows, vocab] tensor with random numbers costs more on the CPU than the rest of the step's sampling). A request
 with a seed draws its number from its own generator, so its tokens do not depend on whatever else is in the batch.
 
-Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
+Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them. A
+step's structured-output mask (enginecore/structured_output.py) is applied first, to its constrained rows only: their
+logprobs are those of the masked distribution.
 
-sample() leaves its logits as they are: when a batch raises (a row whose parameters the sampler cannot take),
-sample_each() samples the rows one by one from the same logits, so that only the culprits' requests fail.
+sample() leaves its logits as they are (the mask too goes into its own copy): when a batch raises (a row whose
+parameters the sampler cannot take), sample_each() samples the rows one by one from the same logits, each
+constrained row under its own mask, so that only the culprits' requests fail.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from enginecore.engine_base import one_line
 from enginecore.sequence import Sequence
+from enginecore.structured_output import TokenMask
 
 MAX_LOGPROBS = 20
 
@@ -40,16 +44,19 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
+        """allowed: the step's TokenMask for its constrained rows, or None."""
         params = [s.sampling for s in seqs]
         greedy = [p.greedy for p in params]
         penalized = [i for i, (s, p) in enumerate(zip(seqs, params)) if p.repetition_penalty != 1.0
                      or ((p.presence_penalty or p.frequency_penalty) and s.num_output_tokens)]
         barred = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
         work = logits.float()  # a copy in half precision, the same tensor in float32
-        if work is logits and (penalized or barred or not all(greedy)):
+        if work is logits and (allowed is not None or penalized or barred or not all(greedy)):
             work = logits.clone()  # the steps below write into it
         logits = work
+        if allowed is not None:
+            allowed.apply(logits)
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
@@ -64,13 +71,14 @@ class Sampler:
         return SampleResult(token_list, _logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
                             if raw_logprobs is not None else [None] * len(seqs))
 
-    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
         """Each row alone (after sample() raised on the batch): a row that cannot be sampled gets its error and no
-        token, the others their token (a seeded row draws from its own generator, as in a batch)."""
+        token, the others their token (a seeded row draws from its own generator, a constrained one under its own
+        row of `allowed`, as in a batch)."""
         tokens, logprobs, errors = [], [], []
         for i, seq in enumerate(seqs):
             try:
-                one = self.sample(logits[i:i + 1], [seq])
+                one = self.sample(logits[i:i + 1], [seq], None if allowed is None else allowed.row(i))
             except Exception as exc:
                 tokens.append(None)
                 logprobs.append(None)

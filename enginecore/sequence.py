@@ -49,6 +49,7 @@ class Sequence:
     # recompute after preemption does not compute them again. Forked choices have none to send.
     num_prompt_logprobs: int = 0
     pending_prompt_logprobs: list | None = None
+    grammar: object | None = None  # structured outputs: its matcher (enginecore.structured_output.GrammarState)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -79,8 +80,8 @@ class Sequence:
         return self.sampling.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
-        """Choice `index` of the same request, at the same point: same tokens, same computed prompt. Its blocks
-        are the pool's to share (KVBlockPool.fork)."""
+        """Choice `index` of the same request, at the same point: same tokens, same computed prompt, a copy of
+        its grammar's matcher. Its blocks are the pool's to share (KVBlockPool.fork)."""
         return Sequence(
             seq_id=seq_id, request_id=self.request_id, client=self.client, index=index,
             token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, sampling=self.sampling,
@@ -88,4 +89,5 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens, block_hashes=list(self.block_hashes),
             num_registered_blocks=self.num_registered_blocks, num_cached_tokens=self.num_cached_tokens,
             num_prompt_logprobs=self.num_prompt_logprobs,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )

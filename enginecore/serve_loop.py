@@ -2,12 +2,14 @@
 enginecore.engine_base.EngineBase).
 
 One thread does everything, so the socket (not thread-safe) has one owner and there is no lock on the engine:
-  - idle: block in poll() until a message or a signal comes (no CPU used, no busy polling);
+  - idle: block in poll() until a message, a signal or a compiled grammar comes (no CPU used, no busy polling);
   - busy: take every message already queued (ADD, ABORT, UTILITY) without waiting, run one engine step, and send
     each API server one EngineOutputs with its sequences' new tokens and the engine's load.
 Messages that arrive during a step (a forward pass, or the simulated engine waiting for its next tick) wait in
-ZMQ's queue and are taken before the next step. A request the engine cannot take fails alone (an 'error' output);
-an exception out of a step ends the loop: the process tells every API server ENGINE_DEAD and exits 1.
+ZMQ's queue and are taken before the next step. A request whose grammar is not compiled yet waits beside the
+engine (enginecore.grammar_compiler.CompilingRequests) while a worker thread compiles it, then goes in like any
+other. A request the engine cannot take fails alone (an 'error' output); an exception out of a step ends the loop:
+the process tells every API server ENGINE_DEAD and exits 1.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import socket
 import zmq
 
 from enginecore.engine_base import EngineBase
+from enginecore.grammar_compiler import CompilingRequests
 from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
                           UtilityResult)
@@ -39,11 +42,15 @@ class EngineServer:
         self._wakeup_write = wakeup_write  # kept open for the process's life
         signal.set_wakeup_fd(wakeup_write.fileno(), warn_on_full_buffer=False)
         self._poller.register(self._wakeup, zmq.POLLIN)
+        # Requests whose grammar compiles in a worker thread wait here, not in the engine (nothing waits with an
+        # engine that takes no grammars: the simulated one).
+        self._compiling = CompilingRequests(core.grammar_compiler)
+        self._poller.register(self._compiling.fileno(), zmq.POLLIN)
         self._utilities = {
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
-            "abort_client": core.abort_client,  # the supervisor's, when an API server died
+            "abort_client": self._abort_client,  # the supervisor's, when an API server died
         }
 
     def serve_forever(self) -> None:
@@ -52,6 +59,8 @@ class EngineServer:
             events = dict(self._poller.poll(0 if busy else None))
             if self._wakeup in events:
                 self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
+            if self._compiling.fileno() in events:  # grammars compiled: their requests go to the engine
+                self._admit_compiled()
             if self.router in events:
                 self._take_messages()
             if self.core.has_work():
@@ -74,14 +83,27 @@ class EngineServer:
 
     def _handle(self, identity: bytes, record) -> None:
         if isinstance(record, EngineRequest):
+            if self._compiling.hold(identity, record):  # its grammar compiles first, off this loop
+                return
             self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
         elif isinstance(record, AbortRequests):
-            outputs = self.core.abort(record.request_ids, identity, record.indices)
+            outputs = (self._compiling.abort(identity, record.request_ids, record.indices)
+                       + self.core.abort(record.request_ids, identity, record.indices))
             self._send_outputs([(identity, o) for o in outputs])
         elif isinstance(record, UtilityCall):
             self._send(identity, self._call(record))
         else:
             log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
+
+    def _admit_compiled(self) -> None:
+        for identity, request, aborted in self._compiling.ready():
+            outputs = self.core.add_request(request, identity)
+            if aborted:  # choices aborted while its grammar compiled
+                outputs += self.core.abort([request.request_id], identity, aborted)
+            self._send_outputs([(identity, o) for o in outputs])
+
+    def _abort_client(self, identity: str) -> int:
+        return self._compiling.drop_client(identity.encode()) + self.core.abort_client(identity)
 
     def _call(self, call: UtilityCall) -> UtilityResult:
         method = self._utilities.get(call.method)

@@ -9,7 +9,8 @@ noise of a forward pass.
 What it "generates": every running sequence gets one token per step, cycling through the token ids of a fixed
 sentence (with multi-byte characters, so detokenizers are exercised) that the embedded model's real tokenizer
 decodes; after each full sentence comes EOS (the sentence's first token instead while a request ignores EOS or
-still needs min_tokens). logprobs and prompt_logprobs are made up. A step first waits for its tick (a fixed pace,
+still needs min_tokens). logprobs and prompt_logprobs are made up; a structured-output grammar is ignored (no
+compiler, no mask: EngineBase's defaults). A step first waits for its tick (a fixed pace,
 without drift): messages that come meanwhile wait in ZMQ's queue, as during a real forward pass. The prompt costs
 nothing: the first token comes one step after a request reaches an idle engine. No scheduler, no KV cache: every
 request runs at once.

@@ -55,6 +55,11 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
     timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
+    # Chat: tools and reasoning (vLLM's options).
+    chat_template: str | None = None  # the template's text (--chat-template names a file or gives the text)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # one of REASONING_PARSERS
 
     # Supervisor.
     shutdown_timeout: float = 30.0
@@ -82,3 +87,6 @@ class ServeConfig:
 
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Named here, where the supervisor's command line can list them without importing the API servers' parsers.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -45,3 +45,10 @@ def test_a_row_the_sampler_cannot_take_fails_its_request_alone(engine, prompts):
     assert _tokens(crowd, ("seeded", 0)) == _tokens(alone, ("seeded", 0))
     assert engine.stats()["num_failed"] >= 1
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
+
+
+def test_a_grammar_that_is_not_text_fails_its_request_alone(engine, prompts):
+    bad = EngineRequest("bad", prompts[1], SamplingParams(max_tokens=4, n=2, grammar={"regex": "[a-z]+"}))
+    (first, second) = engine.add_request(bad)
+    assert first.finish_reason == second.finish_reason == "error" and "grammar" in first.error
+    assert not engine.requests

@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 
+from ipc import grammar as grammars
 from ipc.codec import decode, encode
 from ipc.config import ServeConfig
 from ipc.launch import EngineLaunch
@@ -138,6 +139,25 @@ def test_abort_client_stops_every_request_of_one_api_server(engine):
             sock.close(linger=1000)
 
 
+def test_a_constrained_request_through_the_loop_and_a_choice_aborted_meanwhile(engine):
+    """Its grammar compiles beside the loop (most likely still compiling when the abort of choice 1 comes): choice 1
+    ends with 'abort', the others run under the grammar."""
+    proc, info, zctx, address = engine
+    sock = connect_dealer(zctx, address, api_server_identity(4))
+    try:
+        sampling = SamplingParams(max_tokens=12, n=3, temperature=0.0, grammar=grammars.regex_grammar("[0-9]{4}"))
+        sock.send_multipart(encode(EngineRequest("digits", list(range(10, 30)), sampling)))
+        sock.send_multipart(encode(AbortRequests(["digits"], [1])))
+        keys = [("digits", i) for i in range(3)]
+        outputs = _collect(sock, lambda got: all(_finished(got, key) for key in keys))
+        assert outputs[("digits", 1)][-1].finish_reason == "abort"
+        for i in (0, 2):
+            assert len([t for o in outputs[("digits", i)] for t in o.new_token_ids]) == 4  # four digits, then stop
+            assert outputs[("digits", i)][-1].finish_reason == "stop"
+    finally:
+        sock.close(linger=0)
+
+
 def test_ready_ping_generate_abort_and_sigterm(engine):
     proc, info, zctx, address = engine
     assert info.num_kv_blocks > 0 and info.eos_token_ids and info.vocab_size == 49152
@@ -195,11 +215,14 @@ def test_the_simulated_engine_runs_the_same_entry_and_loop_without_torch(simulat
     sock = connect_dealer(zctx, address, api_server_identity(2))
     try:
         sock.send_multipart(encode(EngineRequest("bad", [1, "x"], SamplingParams(max_tokens=3))))
-        sp = SamplingParams(max_tokens=5, n=2, temperature=0.0, ignore_eos=True)
+        # A grammar is ignored: the simulated engine has no compiler and no mask (and still no torch).
+        sp = SamplingParams(max_tokens=5, n=2, temperature=0.0, ignore_eos=True, grammar='{"grammars": []}')
         sock.send_multipart(encode(EngineRequest("good", [1, 2, 3], sp)))
         outputs = _collect(sock, lambda got: all(_finished(got, key) for key in [("bad", 0), ("good", 0), ("good", 1)]))
         assert outputs[("bad", 0)][-1].finish_reason == "error"
         assert [sum(len(o.new_token_ids) for o in outputs[("good", i)]) for i in (0, 1)] == [5, 5]
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert "libtorch" not in f.read()
         # Idle, the loop blocks in poll (no periodic wake-ups), and a SIGTERM still stops it at once.
         cpu_before = _cpu_seconds(proc.pid)
         time.sleep(1.0)
