@@ -12,7 +12,12 @@ def encode(record, kinds: dict = KIND_OF_RECORD) -> list[bytes]:
 
 
 class MalformedMessage(ValueError):
-    """Frames that are not a record of the contract. Every receiver drops such a message and carries on."""
+    """Frames that are not a record of the contract. Every receiver drops such a message and carries on.
+    `fields`: the body's JSON object when it parsed as one (a receiver may still answer what it can read of it)."""
+
+    def __init__(self, message: str, fields: dict | None = None):
+        super().__init__(message)
+        self.fields = fields
 
 
 def decode(frames: list[bytes], records: dict = RECORD_OF_KIND):
@@ -25,6 +30,11 @@ def decode(frames: list[bytes], records: dict = RECORD_OF_KIND):
     if record_type is None:
         raise MalformedMessage(f"unknown message kind {bytes(kind)!r}")
     try:
-        return record_type.from_dict(orjson.loads(body))
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # bad JSON, missing or unknown fields
+        fields = orjson.loads(body)
+    except ValueError as exc:
         raise MalformedMessage(f"bad {record_type.__name__}: {exc}") from None
+    try:
+        return record_type.from_dict(fields)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # missing, unknown or mistyped fields
+        raise MalformedMessage(f"bad {record_type.__name__}: {exc}", fields if isinstance(fields, dict) else None) \
+            from None

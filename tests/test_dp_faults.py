@@ -117,7 +117,8 @@ def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
         deployment.node(*node_args(rpc))  # a new node (systemd restarted it) registers rank 1 again
         wait_for(lambda: "rank 1 is back" in head.log() and "rolling restart done" in head.log(), 60,
                  "the rank to be taken back", head)
-        assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
+        back = complete(head.url, {"X-data-parallel-rank": "1"})
+        assert back.status_code == 200, back.text
         anywhere_failed = len(anywhere.failures)
         served = anywhere.ok
         wait_for(lambda: anywhere.ok >= served + 6, 30, "requests on both ranks", head)
