@@ -21,6 +21,8 @@ ENGINE_ENTRY = "enginecore.process:run_engine_core"
 # A benchmark instrument, never the default: `--model sim:<ms per step>` paces tokens without a model.
 SIMULATED_ENGINE_ENTRY = "enginecore.simulated:run_simulated_engine_core"
 API_SERVER_ENTRY = "apiserver.process:run_api_server"
+# --grpc: the same API server role (same contract, heartbeat, restart and drain) speaking gRPC instead of HTTP.
+GRPC_API_SERVER_ENTRY = "apiserver.grpc.process:run_grpc_api_server"
 
 
 @dataclass
@@ -99,7 +101,7 @@ def spawn_api_server(
         f"ApiServer_{index}",
         "api",
         index,
-        API_SERVER_ENTRY,
+        GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
         lambda ready, lifeline: (
             config, index, listen_socket, model, engine_addresses, shared_state_name, group_lock, lifeline, ready
         ),

@@ -121,6 +121,11 @@ def _positive(ctx, param, value):
 @click.option("--middleware", multiple=True, metavar="MODULE:OBJECT",
               help="Extra ASGI middleware (a class, or `async def f(request, call_next)`); repeatable, "
                    "outermost first.")
+@click.option("--grpc", is_flag=True,
+              help="Serve gRPC instead of HTTP on --port: the vllm.grpc.engine.VllmEngine service of smg-grpc-proto "
+                   "(token ids in and out), for a gateway such as smg that tokenizes itself.")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="With --grpc: serve Prometheus metrics (the whole group's) at http://HOST:PORT/metrics.")
 @click.option("--log-level", default=_DEFAULTS.log_level, show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(**options) -> None:
@@ -136,7 +141,13 @@ def main(**options) -> None:
 
 
 def build_config(options: dict) -> ServeConfig:
-    return ServeConfig(**options)
+    from supervisor.grpc_mode import option_conflict
+
+    config = ServeConfig(**options)
+    conflict = option_conflict(config)
+    if conflict:
+        raise click.UsageError(conflict)
+    return config
 
 
 if __name__ == "__main__":
