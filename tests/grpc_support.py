@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import grpc
@@ -78,3 +79,51 @@ def error_of(call) -> grpc.RpcError:
     except grpc.RpcError as exc:
         return exc
     raise AssertionError("the call succeeded")
+
+
+class GrpcBackgroundLoad:
+    """A few client threads, each on a channel (connection) of its own, sending streamed Generate calls until
+    stopped; a call counts as ok when it streamed every token it asked for and finished with "length"."""
+
+    def __init__(self, server: GrpcSupervise, clients: int = 4, max_tokens: int = 20, max_seconds: float = 120.0):
+        self.server = server
+        self.max_tokens = max_tokens
+        self.deadline = time.monotonic() + max_seconds
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def __enter__(self) -> "GrpcBackgroundLoad":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def wait_for(self, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.ok < count:
+            assert time.monotonic() < deadline, f"only {self.ok} calls done; failures: {self.failures[:3]}"
+            time.sleep(0.05)
+
+    def _run(self) -> None:
+        stub = self.server.stub()
+        request = generate_request([1, 2, 3], stream=True, max_tokens=self.max_tokens, ignore_eos=True)
+        while not self._stop.is_set() and time.monotonic() < self.deadline:
+            try:
+                responses = list(stub.Generate(request, timeout=60))
+                tokens = sum(len(r.chunk.token_ids) for r in responses if r.HasField("chunk"))
+                finish = responses[-1].complete.finish_reason if responses else None
+                outcome = None if (tokens, finish) == (self.max_tokens, "length") else f"{tokens} tokens, {finish}"
+            except grpc.RpcError as exc:
+                outcome = f"{exc.code()}: {exc.details()}"
+            with self._lock:
+                if outcome is None:
+                    self.ok += 1
+                else:
+                    self.failures.append(outcome)
