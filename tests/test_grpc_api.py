@@ -179,11 +179,14 @@ def test_request_id_priority_and_rank_metadata(group, stub):
     responses = stub.Generate(generate_request(PROMPT, max_tokens=1), metadata=(("x-request-id", "from-metadata"),
                                                                                    ("x-priority", "-3"),
                                                                                    ("x-data-parallel-rank", "0")))
-    assert dict(responses.initial_metadata())["x-request-id"] == "from-metadata"
     assert list(responses)[-1].complete.finish_reason == "length"
+    assert dict(responses.trailing_metadata())["x-request-id"] == "from-metadata"
     unnamed = stub.Generate(generate_request(PROMPT, max_tokens=1))
-    assert len(dict(unnamed.initial_metadata())["x-request-id"]) == 32
     list(unnamed)
+    assert len(dict(unnamed.trailing_metadata())["x-request-id"]) == 32
+    named = stub.Generate(generate_request(PROMPT, "my-own-id", max_tokens=1))
+    list(named)
+    assert "x-request-id" not in dict(named.trailing_metadata())
     for metadata, message in ((("x-priority", "high"),), "x-priority"), ((("x-data-parallel-rank", "1"),), "ranks 0"):
         error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=1), metadata=metadata))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()

@@ -83,9 +83,8 @@ async def generate(ctx: ServerContext, call: GenerateInput, running: RunningRequ
                 break
             if first_output_at is None:
                 first_output_at = time.monotonic()
-            for out in outputs:
-                for response in builder.add(out):
-                    yield response
+            for response in builder.add(outputs):
+                yield response
     finally:
         ctx.admission.release(num_prompt)
         if stream is not None:

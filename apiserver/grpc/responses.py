@@ -1,8 +1,9 @@
 """Engine outputs to GenerateResponse messages, one sample (`index`) at a time, as vLLM's own servicer sends
 them, since that is what the gateway was written against:
 
-- streamed: a GenerateStreamChunk per engine step with the step's new token ids (`completion_tokens` is that
-  delta's count: the gateway adds them up), its logprobs, and the prompt's logprobs once, in the first chunk;
+- streamed: a GenerateStreamChunk with the new token ids of each engine step, or of the steps that arrived
+  together (`completion_tokens` is that delta's count: the gateway adds them up), their logprobs, and the
+  prompt's logprobs once, in the first chunk;
   then, when the sample finishes, a GenerateComplete with its finish reason and counts;
 - whole: one GenerateComplete per sample, once it finishes, with all of its tokens and logprobs.
 A GenerateComplete always carries every output token of its sample (`output_ids`, as the proto says).
@@ -46,32 +47,51 @@ class ResponseBuilder:
     def done(self) -> bool:
         return self.unfinished == 0
 
-    def add(self, out: RequestOutput) -> list[pb.GenerateResponse]:
-        """The responses one engine output makes (none, a chunk, a complete, or both)."""
-        sample = self.samples[out.index]
+    def add(self, outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
+        """The responses a batch of engine outputs makes: per sample, one chunk for all of its new tokens (a
+        server that fell behind the engine sends fewer, larger messages), and its complete if it finished."""
+        if len(outputs) == 1:
+            return self._add_sample(outputs[0].index, outputs)
+        by_sample: dict[int, list[RequestOutput]] = {}
+        for out in outputs:
+            by_sample.setdefault(out.index, []).append(out)
+        responses = []
+        for index, outs in by_sample.items():
+            responses += self._add_sample(index, outs)
+        return responses
+
+    def _add_sample(self, index: int, outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
+        sample = self.samples[index]
         if sample.finish_reason is not None:
             return []
-        if out.num_cached_tokens and not sample.token_ids:
-            self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
-        if out.prompt_logprobs is not None:  # once per request, with sample 0's first output
-            self._input_logprobs = self._prompt_logprobs(out.prompt_logprobs)
-        new = out.new_token_ids
-        sample.token_ids.extend(new)
+        new, logprobs, finish = [], [], None
+        for out in outputs:
+            if out.num_cached_tokens and not sample.token_ids and not new:
+                self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None:  # once per request, with sample 0's first output
+                self._input_logprobs = self._prompt_logprobs(out.prompt_logprobs)
+            new += out.new_token_ids
+            if out.logprobs:
+                logprobs += out.logprobs
+            if out.finish_reason is not None:
+                finish = out
+                break
+        sample.token_ids += new
         responses = []
         if self.stream:
             first = not sample.sent_prompt_logprobs and self._input_logprobs is not None
             if new or first:
                 responses.append(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
                     token_ids=new, prompt_tokens=len(self.prompt), completion_tokens=len(new),
-                    cached_tokens=self.cached_tokens, index=sample.index,
-                    output_logprobs=self._output_logprobs(out.logprobs, new) if out.logprobs else None,
+                    cached_tokens=self.cached_tokens, index=index,
+                    output_logprobs=self._output_logprobs(logprobs, new) if logprobs else None,
                     input_logprobs=self._input_logprobs if first else None,
                 )))
                 sample.sent_prompt_logprobs |= first
-        elif out.logprobs:
-            sample.logprobs.extend(out.logprobs)
-        if out.finish_reason is not None:
-            responses.append(self.finish(sample, out.finish_reason, out.stop_reason))
+        elif logprobs:
+            sample.logprobs += logprobs
+        if finish is not None:
+            responses.append(self.finish(sample, finish.finish_reason, finish.stop_reason))
         return responses
 
     def finish(self, sample: Sample, reason: str, stop_token: int | None = None) -> pb.GenerateResponse:

@@ -49,11 +49,13 @@ class VllmEngineService:
 
     # Generation.
     async def Generate(self, request, context):
-        async with self._call(request, context):
-            call = parse_generate(request, _metadata(context), self.ctx.model, self.ctx.engine.num_engines)
+        async with _Call(self, request, context) as metadata:
+            call = parse_generate(request, metadata, self.ctx.model, self.ctx.engine.num_engines)
             self._check_engine()
-            if call.request_id != request.request_id:  # the client did not name it: tell it, for Abort
-                await context.send_initial_metadata((("x-request-id", call.request_id),))
+            if call.request_id != request.request_id:
+                # The id it got, for the record: trailing metadata travels with the status, at no extra cost (to
+                # stop a call it did not name, a client cancels it).
+                context.set_trailing_metadata((("x-request-id", call.request_id),))
             async with contextlib.aclosing(generate(self.ctx, call, self.running)) as responses:
                 async for response in responses:
                     yield response
@@ -98,7 +100,7 @@ class VllmEngineService:
                                                                    f"engine core(s)")
 
     async def GetTokenizer(self, request, context):
-        async with self._call(request, context):
+        async with _Call(self, request, context):
             chunks = self._tokenizer.chunks()
             for i, chunk in enumerate(chunks):
                 last = i == len(chunks) - 1
@@ -120,11 +122,11 @@ class VllmEngineService:
         yield  # an async generator, as a server-streaming method must be
 
     # The steps every call shares.
-    def _authorized(self, context) -> bool:
+    def authorized(self, metadata: dict) -> bool:
         """The key is compared as SHA-256 digests in constant time, as the HTTP API does."""
         if self._key_digest is None:
             return True
-        value = _metadata(context).get("authorization", "")
+        value = metadata.get("authorization", "")
         scheme, _, token = value.partition(" ")
         digest = hashlib.sha256(token.strip().encode()).digest()
         return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._key_digest)
@@ -136,45 +138,52 @@ class VllmEngineService:
 
     async def _answer(self, request, context, produce, open_to_all: bool = False):
         """A unary call: produce its answer (a value or an awaitable) from the request."""
-        async with self._call(request, context, open_to_all):
+        async with _Call(self, request, context, open_to_all):
             answer = produce(request)
             return await answer if asyncio.iscoroutine(answer) else answer
-
-    @contextlib.asynccontextmanager
-    async def _call(self, request, context, open_to_all: bool = False):
-        """Around every call: refuse a malformed message or a missing key, end the call with the status of
-        what went wrong, and count the status."""
-        code = Code.OK
-        try:
-            if isinstance(request, Malformed):
-                raise invalid_argument(f"malformed request message: {request.error}")
-            if not open_to_all and not self._authorized(context):
-                raise RpcError(Code.UNAUTHENTICATED, "missing or invalid API key: send `authorization: Bearer "
-                                                     "<key>` metadata")
-            yield
-        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled or went away
-            code = Code.CANCELLED
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            error = self._status_of(exc)
-            code = error.code
-            await context.abort(error.code, error.message)  # raises AbortError: the call ends here
-        finally:
-            self.ctx.metrics.count_grpc(code.name)
 
     async def _unimplemented(self, context, message: str) -> None:
         self.ctx.metrics.count_grpc(Code.UNIMPLEMENTED.name)
         await context.abort(Code.UNIMPLEMENTED, message)
 
-    @staticmethod
-    def _status_of(exc: Exception) -> RpcError:
-        error = as_rpc_error(exc)
-        if error is None:
-            log.error("unexpected error in a gRPC call", exc_info=exc)
-            error = RpcError(Code.INTERNAL, "internal error: the server could not complete the call; see its log")
-        return error
 
-def _metadata(context) -> dict:
-    return dict(context.invocation_metadata() or ())
+
+class _Call:
+    """Around every call (`async with`, giving the call's metadata as a dict): refuse a malformed message or a
+    missing API key, end the call with the status of what went wrong, and count the status. A class rather than
+    an @asynccontextmanager: it runs for every call, and a generator-based one costs several times more."""
+
+    __slots__ = ("_service", "_request", "_context", "_open")
+
+    def __init__(self, service: VllmEngineService, request, context, open_to_all: bool = False):
+        self._service = service
+        self._request = request
+        self._context = context
+        self._open = open_to_all
+
+    async def __aenter__(self) -> dict:
+        if isinstance(self._request, Malformed):
+            await self._end(invalid_argument(f"malformed request message: {self._request.error}"))
+        metadata = dict(self._context.invocation_metadata() or ())
+        if not self._open and not self._service.authorized(metadata):
+            await self._end(RpcError(Code.UNAUTHENTICATED, "missing or invalid API key: send `authorization: Bearer "
+                                                           "<key>` metadata"))
+        return metadata
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self._service.ctx.metrics.count_grpc("OK")
+        elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):  # the client cancelled or went away
+            self._service.ctx.metrics.count_grpc("CANCELLED")
+        elif not issubclass(exc_type, grpc.aio.AbortError) and issubclass(exc_type, Exception):
+            error = as_rpc_error(exc)
+            if error is None:
+                log.error("unexpected error in a gRPC call", exc_info=exc)
+                error = RpcError(Code.INTERNAL, "internal error: the server could not complete the call; see its log")
+            await self._end(error)
+        return False
+
+    async def _end(self, error: RpcError) -> None:
+        """Count the status and end the call with it (context.abort raises AbortError: nothing runs after)."""
+        self._service.ctx.metrics.count_grpc(error.code.name)
+        await self._context.abort(error.code, error.message)
