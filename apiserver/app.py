@@ -1,20 +1,19 @@
-"""The Starlette application of one API server: routes, middleware, and errors in the OpenAI format."""
+"""The ASGI application of one API server: routes, middleware, errors in the OpenAI format, and the count of
+every answer's status for /metrics around all of it."""
 from __future__ import annotations
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 
 from apiserver.context import ServerContext
-from apiserver.errors import starlette_exception_handler
-from apiserver.middleware import middleware_stack
+from apiserver.errors import exception_handlers
+from apiserver.middleware import StatusCountMiddleware, middleware_stack
 from apiserver.routes import build_routes
 
 
-def build_app(ctx: ServerContext) -> Starlette:
+def build_app(ctx: ServerContext) -> StatusCountMiddleware:
     app = Starlette(
         routes=build_routes(ctx),
         middleware=middleware_stack(ctx.config),
-        exception_handlers={HTTPException: starlette_exception_handler, Exception: starlette_exception_handler},
+        exception_handlers=exception_handlers(),
     )
-    app.state.ctx = ctx
-    return app
+    return StatusCountMiddleware(app, ctx.metrics)

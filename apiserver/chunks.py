@@ -1,11 +1,12 @@
 """Streamed chunks as bytes, without building response objects per token: what both endpoints' chunk
 writers share. Each request gets a fixed head (`data: {"id":...,"choices":[`); each event is the head plus
-one choice's new text, logprobs and finish, in the endpoint's own shape."""
+one choice's delta (new text, logprobs and finish), in the endpoint's own shape. Writers only format: the
+Generation hands out the deltas."""
 from __future__ import annotations
 
 import orjson
 
-from apiserver.generation import Choice, Generation
+from apiserver.generation import Delta, Generation
 from apiserver.usage import usage
 from ipc.config import ServeConfig
 
@@ -18,28 +19,24 @@ def chunk_head(response_id: str, object_name: bytes, created: int, model_name: s
 
 
 class ChunkWriterBase:
-    """Subclasses give `event(index, text, logprobs_json, finish_fields)` and `logprobs_json(choice)`."""
+    """Subclasses give `event(index, text, logprobs_json, finish_fields)` and `logprobs_json(delta)`."""
 
     def __init__(self, head: bytes, config: ServeConfig):
         self._head = head
         self._config = config
 
-    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
+    def changes(self, deltas: list[Delta]) -> bytes:
         events = []
-        for choice in changed:
-            finished = choice.finish_reason is not None
-            text = choice.detokenizer.take_delta(finished)
-            logprobs = b"null"
-            if choice.logprobs:
-                logprobs = self.logprobs_json(choice)
-                choice.logprobs.clear()
-            if not text and not finished and logprobs == b"null":
+        for delta in deltas:
+            finish = delta.finish_reason
+            logprobs = self.logprobs_json(delta) if delta.logprobs else b"null"
+            if not delta.text and finish is None and logprobs == b"null":
                 continue  # nothing certain yet: a partial character, or text that may start a stop string
-            if finished:
-                tail = b',"finish_reason":' + orjson.dumps(choice.finish_reason) + b',"stop_reason":' + orjson.dumps(choice.stop_reason)
+            if finish is not None:
+                tail = b',"finish_reason":' + orjson.dumps(finish) + b',"stop_reason":' + orjson.dumps(delta.stop_reason)
             else:
                 tail = b',"finish_reason":null'
-            events.append(self.event(choice.index, text, logprobs, tail))
+            events.append(self.event(delta.index, delta.text, logprobs, tail))
         return b"".join(events)
 
     def usage(self, generation: Generation) -> bytes:
@@ -48,5 +45,5 @@ class ChunkWriterBase:
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
         raise NotImplementedError
 
-    def logprobs_json(self, choice: Choice) -> bytes:
+    def logprobs_json(self, delta: Delta) -> bytes:
         raise NotImplementedError

@@ -169,6 +169,12 @@ class EngineClient:
                 self._send(engine, AbortRequests(request_ids))
         self._in_flight_changed()
 
+    def abort(self, stream: RequestStream, request_id: str, indices: list[int] | None = None) -> None:
+        """Stop `request_id` of `stream` in its engine now (only its choices `indices`, when given), while
+        the stream stays open for what is on its way; `release` still ends it."""
+        if self.dead_reason is None and request_id in self._streams:
+            self._send(stream.engines[request_id], AbortRequests([request_id], indices))
+
     async def call_utility(self, engine: int, method: str, *args, timeout: float | None = None):
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)

@@ -1,31 +1,49 @@
 """Every error the API answers with, and the one table that maps exceptions to HTTP statuses.
 
 Each error goes out in the OpenAI error body, `{"error": {"message", "type", "param", "code"}}`, so that
-OpenAI clients raise their usual exception types. Anything unexpected is a 500 with a generic message: the
-traceback goes to the log, never to the client.
+OpenAI clients raise their usual exception types. The app registers `exception_handlers()` once: the
+exceptions of the table become their answer; anything else is a 500 with a generic message, and its
+traceback goes to the log (uvicorn's "Exception in ASGI application"), never to the client.
 """
 from __future__ import annotations
 
-import logging
-
 import orjson
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-log = logging.getLogger(__name__)
+from apiserver.engine_client import EngineDeadError
+from apiserver.generation import EngineRequestError
+
+# nginx's status for a client that closed the connection before it was answered: nobody reads the answer,
+# but /metrics counts it as the client's doing (4xx), not the server's.
+CLIENT_CLOSED_REQUEST = 499
+# Seconds a client should wait after an admission 503: a whole second (the header takes integers) is the
+# shortest wait that still backs off, and requests in flight free their places within seconds. The openai
+# client honours it instead of its own back-off.
+RETRY_AFTER_SECONDS = "1"
 
 
 class ApiError(Exception):
-    """An error the client should see, as it is. Subclasses pick the status and the OpenAI error type."""
+    """An error the client should see, as it is. Subclasses pick the status and the OpenAI error type; the
+    table below makes plain instances for other exceptions."""
 
     status = 400
     type = "invalid_request_error"
+    headers: dict[str, str] | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
+                 status: int | None = None, type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        if headers is not None:
+            self.headers = headers
 
 
 class InvalidRequest(ApiError):
@@ -45,14 +63,10 @@ class ModelNotFound(ApiError):
         super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-class RouteNotFound(ApiError):
-    status = 404
-    type = "NotFoundError"
+class RequestTooLarge(ApiError):
+    """A body over --max-request-body-bytes."""
 
-
-class MethodNotAllowed(ApiError):
-    status = 405
-    type = "invalid_request_error"
+    status = 413
 
 
 class Overloaded(ApiError):
@@ -60,18 +74,43 @@ class Overloaded(ApiError):
 
     status = 503
     type = "overloaded_error"
+    headers = {"Retry-After": RETRY_AFTER_SECONDS}
 
 
-class EngineDead(ApiError):
-    """The engine core is gone; this server cannot answer anything that needs the model any more."""
+def _http_error(exc: HTTPException) -> ApiError:
+    # Starlette's own routing errors (unknown route, wrong method with its Allow header, ...).
+    kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+    code = "route_not_found" if exc.status_code == 404 else None
+    return ApiError(f"{exc.detail}", code=code, status=exc.status_code, type=kind, headers=exc.headers)
 
-    status = 503
-    type = "service_unavailable_error"
+
+# The one exception-to-answer table. Its keys are also the exceptions the app registers handlers for.
+_TABLE = {
+    ApiError: lambda exc: exc,
+    HTTPException: _http_error,
+    EngineDeadError: lambda exc: ApiError(
+        f"The engine is not available: {exc}", status=503, type="service_unavailable_error"),
+    EngineRequestError: lambda exc: ApiError(
+        f"The engine failed this request: {exc}", status=500, type="internal_server_error"),
+    ClientDisconnect: lambda exc: ApiError(
+        "The client closed the connection before its request was read.", status=CLIENT_CLOSED_REQUEST,
+        type="client_closed_request"),
+}
+_INTERNAL = "Internal server error: the server could not complete the request; see its log."
 
 
-class InternalError(ApiError):
-    status = 500
-    type = "internal_server_error"
+def is_expected(exc: BaseException) -> bool:
+    """Whether `exc` is in the table (else it is a bug, whose traceback belongs in the log)."""
+    return any(cls in _TABLE for cls in type(exc).__mro__)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """What the client is told about `exc`."""
+    for cls in type(exc).__mro__:
+        convert = _TABLE.get(cls)
+        if convert is not None:
+            return convert(exc)
+    return ApiError(_INTERNAL, status=500, type="internal_server_error")
 
 
 class RequestTimeout(ApiError):
@@ -91,29 +130,15 @@ def error_body(exc: ApiError) -> dict:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
 
-def error_response(exc: ApiError, headers: dict | None = None) -> Response:
-    return Response(orjson.dumps(error_body(exc)), exc.status, headers, media_type="application/json")
+def error_response(exc: ApiError) -> Response:
+    return Response(orjson.dumps(error_body(exc)), exc.status, exc.headers, media_type="application/json")
 
 
-def as_api_error(exc: BaseException) -> ApiError:
-    """The one exception-to-status table: what the client is told about `exc`."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, HTTPException):
-        # Starlette's own routing errors (unknown route, wrong method, bad Content-Length...).
-        if exc.status_code == 404:
-            return RouteNotFound(f"{exc.detail}", code="route_not_found")
-        if exc.status_code == 405:
-            return MethodNotAllowed(f"{exc.detail}")
-        if exc.status_code < 500:
-            error = InvalidRequest(f"{exc.detail}")
-            error.status = exc.status_code
-            return error
-    log.error("unexpected error while serving a request", exc_info=exc)
-    return InternalError("Internal server error: the server could not complete the request; see its log.")
+async def _answer(request, exc: Exception) -> Response:
+    return error_response(as_api_error(exc))
 
 
-async def starlette_exception_handler(request, exc: Exception) -> Response:
-    """Installed for HTTPException and Exception, so routing errors and crashes also get the OpenAI body."""
-    error = as_api_error(exc)
-    return error_response(error, getattr(exc, "headers", None))
+def exception_handlers() -> dict:
+    """For Starlette: the table's exceptions, and Exception (its 500 is answered by Starlette's outermost
+    ServerErrorMiddleware, which then re-raises so that uvicorn logs the traceback)."""
+    return {**dict.fromkeys(_TABLE, _answer), Exception: _answer}

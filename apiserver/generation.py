@@ -1,14 +1,17 @@
 """One API request's generation: its engine requests (one per prompt, each with n sequences) and the text,
 token count and finish of each OpenAI choice, updated batch by batch as the engine's outputs arrive.
 
-Both endpoints, streaming or not, consume a Generation the same way: `await next_changes()` until `done`,
-then `close()` (which aborts in the engine whatever is still running there).
+Both endpoints, streaming or not, drive a Generation the same way (apiserver/generation_run.py): `start()`,
+`await next_changes()` until `done`, `take(changed)` for what the choices have to tell (the chunk writers only
+format it), then `close()`, which aborts in the engine whatever is still running there. A choice that a stop
+string ends while its request goes on is aborted in the engine at once.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from typing import NamedTuple
 
 from apiserver.detokenizer import IncrementalDetokenizer
 from apiserver.engine_client import EngineClient, RequestAborted, RequestStream
@@ -19,6 +22,26 @@ from ipc.sampling import SamplingParams
 # random prefix and a counter make them so, across API servers and restarts.
 _PROCESS_TAG = os.urandom(4).hex()
 _COUNTER = itertools.count()
+
+
+class EngineRequestError(Exception):
+    """The engine failed one of this request's sequences (FinishReason.ERROR); the message is its reason."""
+
+
+class Delta(NamedTuple):
+    """What one choice has to tell since its last delta, for a chunk writer to format as it is."""
+
+    index: int
+    prompt_index: int
+    text: str
+    logprobs: list | None  # (token id, [logprob, top]) per new token; None when not asked for
+    prompt_logprobs: list | None  # the prompt's entries, once (echo with logprobs)
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+# Per streamed token: tuple.__new__ makes the same Delta without the Python-level __new__ (half the cost).
+_new_delta = tuple.__new__
 
 
 class Choice:
@@ -98,19 +121,24 @@ class Generation:
 
     async def next_changes(self, timeout: float | None = None) -> list[Choice]:
         """The choices that changed with the next engine outputs ([] when `timeout` passed without any).
-        Raises EngineDeadError, or RequestAborted when the client went away."""
+        Raises EngineDeadError, RequestAborted when the client went away, or EngineRequestError."""
         outputs = await self._stream.next_batch(timeout)
         if self.first_output_at is None and outputs:
             self.first_output_at = time.monotonic()
         choices = self.choices
         first = self._first_choice
         changed = []
+        stopped = None
         for out in outputs:
             if out.prompt_logprobs is not None:  # sent with choice 0 only: it belongs to all n
                 self._set_prompt_logprobs(first[out.request_id], out.prompt_logprobs)
             choice = choices[first[out.request_id] + out.index]
             if choice.finish_reason is not None:
                 continue  # a stop string ended it here; the engine had not heard yet
+            if out.finish_reason == FinishReason.ERROR:
+                choice.finish_reason = FinishReason.ERROR
+                self._unfinished -= 1
+                raise EngineRequestError(out.error or "no reason given")
             new = out.new_token_ids
             if out.num_cached_tokens and choice.num_tokens == 0 and choice.index % self.sampling.n == 0:
                 self.num_cached_tokens += out.num_cached_tokens
@@ -120,6 +148,9 @@ class Generation:
                 choice.logprobs.extend(zip(new[:used], out.logprobs[:used]))
             if choice.detokenizer.stop_reason is not None:
                 choice.finish_reason, choice.stop_reason = FinishReason.STOP, choice.detokenizer.stop_reason
+                if out.finish_reason is None:  # the engine would go on decoding it
+                    stopped = stopped or []
+                    stopped.append(choice)
             elif out.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             if choice.finish_reason is not None:
@@ -129,7 +160,37 @@ class Generation:
                 changed.append(choice)
         for choice in changed:
             choice._changed = False
+        if stopped and self._unfinished:  # (when all are done, close() aborts what runs)
+            self._abort_in_engine(stopped)
         return changed
+
+    def take(self, changed: list[Choice]) -> list[Delta]:
+        """What `changed` choices have not handed out yet: their text (minus what may still become a stop
+        string, unless the choice finished), their new logprobs, their prompt logprobs once."""
+        deltas = []
+        for choice in changed:
+            logprobs = choice.logprobs
+            if logprobs is not None:
+                choice.logprobs = []
+            prompt_logprobs = choice.prompt_logprobs
+            choice.prompt_logprobs = None
+            finish = choice.finish_reason
+            text = choice.detokenizer.take_delta(finish is not None)
+            deltas.append(_new_delta(Delta, (choice.index, choice.prompt_index, text, logprobs, prompt_logprobs,
+                                             finish, choice.stop_reason)))
+        return deltas
+
+    def _abort_in_engine(self, stopped: list[Choice]) -> None:
+        """Stop decoding the choices a stop string ended: only them while their engine request has others
+        running, else the whole engine request."""
+        n = self.sampling.n
+        indices_of: dict[int, list[int]] = {}
+        for choice in stopped:
+            indices_of.setdefault(choice.prompt_index, []).append(choice.index - choice.prompt_index * n)
+        for prompt_index, indices in indices_of.items():
+            siblings = self.choices[prompt_index * n:(prompt_index + 1) * n]
+            whole = all(c.finish_reason is not None for c in siblings)
+            self._engine.abort(self._stream, self._engine_ids[prompt_index], None if whole else indices)
 
     def _set_prompt_logprobs(self, first_choice: int, entries: list) -> None:
         n = self.sampling.n

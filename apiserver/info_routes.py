@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from apiserver.context import ServerContext
-from apiserver.errors import EngineDead, error_response
+from apiserver.engine_client import EngineDeadError
+from apiserver.errors import as_api_error, error_response
 from apiserver.middleware import api_key_of
 from apiserver.openapi import DOCS_PAGE, openapi_schema, package_version
 
@@ -45,7 +46,7 @@ class InfoRoutes:
         # otherwise keep a load balancer sending requests that hang.
         reason = self.ctx.engine_dead_reason() or self.ctx.engine.unanswered_reason
         if reason is not None:
-            return error_response(EngineDead(f"The engine is not available: {reason}"))
+            return error_response(as_api_error(EngineDeadError(reason)))
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:

@@ -17,7 +17,7 @@ from ipc.shared_state import MAX_SLOTS, GroupState
 
 PREFIX = "supervise_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The status codes a gRPC API server (--grpc) ends calls with.
 GRPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",

@@ -1,7 +1,8 @@
-"""The HTTP middleware stack, outermost first: CORS, API key, X-Request-Id, then the user's own.
+"""The HTTP middleware, outermost first: the status counter (around the whole app), then in the app's stack
+CORS, the body limit, the API key, X-Request-Id, then the user's own.
 
-The two of ours are bare ASGI callables (no BaseHTTPMiddleware): they run on every request, so they must
-cost next to nothing when they have nothing to do.
+Ours are bare ASGI callables (no BaseHTTPMiddleware): they run on every request, so they must cost next to
+nothing when they have nothing to do.
 """
 from __future__ import annotations
 
@@ -17,14 +18,76 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 
-from apiserver.errors import Unauthorized, error_body
+from apiserver.errors import RequestTooLarge, Unauthorized, error_body, error_response
+from apiserver.metrics import Metrics
 from apiserver.serving import REQUEST_ID_SCOPE_KEY
 from ipc.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
-# What stays reachable without the API key: probes, metrics, the version, and the API's own description.
+# What stays reachable without the API key: probes, metrics, the version, and the API's own description (as
+# in vLLM, whose key guards only the API's routes; /docs could not send a key to fetch /openapi.json anyway).
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json", "/docs"})
+
+
+class StatusCountMiddleware:
+    """Counts every answer's status class for /metrics, whoever made it: a route, an exception handler, the
+    API key's 401, the router's 404 and 405, the body limit's 413, Starlette's 500. It wraps the whole app
+    (Starlette's own error middleware included), and only looks at the one `http.response.start`."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self._count = metrics.count_status
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        count = self._count
+
+        def counted_send(message):  # hands back send's awaitable: no coroutine of its own per event
+            if message["type"] == "http.response.start":
+                count(message["status"])
+            return send(message)
+
+        await self.app(scope, receive, counted_send)
+
+
+class BodyLimitMiddleware:
+    """--max-request-body-bytes: a larger body is refused with 413 before anything parses it, at once when its
+    Content-Length says so (the rest of it is never handed to the app), else as soon as the bytes read pass
+    the limit (a chunked body)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self._limit = limit
+
+    def _too_large(self) -> RequestTooLarge:
+        return RequestTooLarge(
+            f"The request body is larger than this server's limit of {self._limit} bytes "
+            f"(--max-request-body-bytes).", code="request_too_large"
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self._limit
+        for name, value in scope["headers"]:
+            if name == b"content-length":  # the HTTP parser holds the body to it
+                if value.isdigit() and int(value) > limit:
+                    return await error_response(self._too_large())(scope, receive, send)
+                return await self.app(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise self._too_large()  # from the route's `await request.body()`: its handlers answer
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 class ApiKeyMiddleware:
@@ -116,6 +179,7 @@ def middleware_stack(config: ServeConfig) -> list[Middleware]:
             allow_headers=list(config.allowed_headers),
             allow_credentials=config.allow_credentials,
         ))
+    stack.append(Middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes))
     api_key = api_key_of(config)
     if api_key:
         stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))

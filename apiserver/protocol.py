@@ -24,6 +24,13 @@ UNSUPPORTED_FIELDS = (
 # A JSON number (an int is fine too), never a string or a bool.
 StrictNumber = Annotated[float, Field(strict=True)]
 
+# Every integer that reaches the engine must fit what the engine stores it in (the IPC encoder refuses wider
+# ones): 64 bits for seeds and priorities (vLLM's bounds), 32 bits for counts.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # and below the vocabulary's size, checked later
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -54,7 +61,7 @@ class _SamplingFields(_Strict):
 
     model: StrictStr
     n: StrictInt = Field(1, ge=1, le=128)
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -66,15 +73,15 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     store: Literal[False] | None = None
 
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: StrictNumber | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: StrictNumber | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    priority: StrictInt = 0
+    priority: Int64 = 0
     request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
 
     logit_bias: None = None
@@ -94,8 +101,8 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict | None = None
@@ -103,12 +110,12 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False
 
 
-TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
-    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo: the prompt (and its logprobs) alone
+    max_tokens: StrictInt | None = Field(16, ge=0, le=INT32_MAX)  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: None = None
@@ -132,4 +139,4 @@ class TokenizeChatRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: StrictStr | None = None
-    tokens: list[Annotated[int, Field(strict=True, ge=0)]]
+    tokens: list[TokenId]

@@ -1,9 +1,8 @@
 """The route table: each path to its handler. Generation goes to the serving objects (one per endpoint);
-the small routes live in info_routes and serving_tokenize. Every handler is wrapped so that any error leaves
-as an OpenAI error body, and every answer is counted for /metrics."""
+the small routes live in info_routes and serving_tokenize. Handlers raise; the app's exception handlers
+(apiserver/errors.py) answer."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
@@ -12,7 +11,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from apiserver.context import ServerContext
-from apiserver.errors import InvalidRequest, as_api_error, error_response
+from apiserver.errors import InvalidRequest
 from apiserver.info_routes import DevRoutes, InfoRoutes
 from apiserver.serving_chat import ChatServing
 from apiserver.serving_completion import CompletionServing
@@ -21,21 +20,6 @@ from apiserver.serving_tokenize import TokenizeServing
 log = logging.getLogger(__name__)
 
 DEV_MODE_ENV = "SUPERVISE_DEV_MODE"
-
-
-def openai_errors(handler, metrics):
-    """Whatever goes wrong in `handler` becomes the OpenAI error body (500s are logged with their traceback)."""
-
-    @functools.wraps(handler)
-    async def run(request: Request):
-        try:
-            response = await handler(request)
-        except Exception as exc:
-            response = error_response(as_api_error(exc))
-        metrics.count_status(response.status_code)
-        return response
-
-    return run
 
 
 class Invocations:
@@ -93,4 +77,4 @@ def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
 def build_routes(ctx: ServerContext) -> list[Route]:
     table = route_table(ctx)
     ctx.openapi_routes = [(path, method.lower(), summary) for path, _, methods, summary in table for method in methods]
-    return [Route(path, openai_errors(handler, ctx.metrics), methods=methods) for path, handler, methods, _ in table]
+    return [Route(path, handler, methods=methods) for path, handler, methods, _ in table]

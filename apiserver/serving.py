@@ -1,9 +1,9 @@
-"""What the generation endpoints share: the model and engine checks, the request id and priority rules,
-admission, and running a Generation to a streamed or a whole response."""
+"""What the generation endpoints share: the model and engine checks, the request id and priority rules, and
+running a Generation (apiserver/generation_run.py) to a streamed or a whole response."""
 from __future__ import annotations
 
 import os
-import time
+import re
 from typing import Callable
 
 import orjson
@@ -12,12 +12,15 @@ from starlette.responses import Response
 
 from apiserver.context import ServerContext
 from apiserver.engine_client import EngineDeadError, RequestAborted
-from apiserver.errors import EngineDead, ModelNotFound, Overloaded
-from apiserver.generation import Generation
-from apiserver.streaming import ChunkWriter, EventStreamResponse, stream_events, watch_disconnect
+from apiserver.errors import CLIENT_CLOSED_REQUEST, InvalidRequest, ModelNotFound
+from apiserver.generation import Delta, Generation
+from apiserver.generation_run import GenerationRun
+from apiserver.protocol import INT64_MAX, INT64_MIN
+from apiserver.streaming import ChunkWriter, EventStreamResponse
 
 REQUEST_ID_SCOPE_KEY = "supervise.request_id"  # set by the request-id middleware when it made or read one
 _PRIORITY_HEADERS = ("x-priority", "x-vllm-priority")
+_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; more than 19 is past 64 bits anyway
 
 
 class GenerationServing:
@@ -33,7 +36,7 @@ class GenerationServing:
     def check_engine(self) -> None:
         reason = self.ctx.engine_dead_reason()
         if reason is not None:
-            raise EngineDead(f"The engine is not available: {reason}")
+            raise EngineDeadError(reason)
 
     # Request identity.
     @staticmethod
@@ -44,15 +47,20 @@ class GenerationServing:
 
     @staticmethod
     def priority(request: Request, body_priority: int) -> int:
-        """X-Priority (or vLLM's X-Vllm-Priority) overrides the body's `priority` when it is an integer."""
+        """X-Priority (or vLLM's X-Vllm-Priority) overrides the body's `priority`. As in vLLM, whose docs say
+        the header's value must be an integer, anything else is a 400 rather than silently ignored; and like
+        the body's, it must fit the engine's 64 bits."""
         headers = request.headers
         for name in _PRIORITY_HEADERS:
             value = headers.get(name)
             if value is not None:
-                try:
-                    return int(value)
-                except ValueError:
-                    pass
+                text = value.strip()
+                if _INTEGER.fullmatch(text) and INT64_MIN <= int(text) <= INT64_MAX:
+                    return int(text)
+                raise InvalidRequest(
+                    f"The {name} header must be an integer from {INT64_MIN} to {INT64_MAX}, not {value[:40]!r}.",
+                    param=name,
+                )
         return body_priority
 
     # Running it.
@@ -63,52 +71,18 @@ class GenerationServing:
         stream: bool,
         writer: ChunkWriter,
         include_usage: bool,
-        whole_body: Callable[[Generation], dict],
+        whole_body: Callable[[Generation, list[Delta]], dict],
     ):
-        """Admit, start, and answer: an SSE stream, or one JSON body once every choice finished."""
-        ctx = self.ctx
-        try:
-            ctx.admission.admit(generation.num_prompt_tokens)
-        except Overloaded:
-            ctx.metrics.count_rejected()
-            raise
-        try:
-            generation.start()
-        except EngineDeadError as exc:
-            ctx.admission.release(generation.num_prompt_tokens)
-            raise EngineDead(f"The engine is not available: {exc}") from None
-        if ctx.config.enable_server_load_tracking:
-            ctx.server_load += 1
+        """An SSE stream (which runs the generation when it is sent), or one JSON body once every choice
+        finished."""
+        run = GenerationRun(self.ctx, generation, request.receive)
         if stream:
-            events = stream_events(
-                generation, writer, include_usage, ctx.config.sse_keep_alive_interval, lambda: self._finished(generation)
-            )
-            return EventStreamResponse(events, generation.abort)
-        watcher = watch_disconnect(request.receive, generation.abort)
+            return EventStreamResponse(run, writer, include_usage, self.ctx.config.sse_keep_alive_interval)
         try:
-            while not generation.done:
-                await generation.next_changes()
-        except EngineDeadError as exc:
-            raise EngineDead(f"The engine is not available: {exc}") from None
+            with run:
+                while not generation.done:
+                    await generation.next_changes()
         except RequestAborted:
-            return Response(status_code=499)  # nobody is listening; uvicorn drops it
-        finally:
-            watcher.cancel()
-            generation.close()
-            self._finished(generation)
-        return Response(orjson.dumps(whole_body(generation)), media_type="application/json")
-
-    def _finished(self, generation: Generation) -> None:
-        ctx = self.ctx
-        ctx.admission.release(generation.num_prompt_tokens)
-        if ctx.config.enable_server_load_tracking:
-            ctx.server_load -= 1
-        now = time.monotonic()
-        first = generation.first_output_at
-        ctx.metrics.finished(
-            [c.finish_reason or "abort" for c in generation.choices],
-            generation.num_prompt_tokens,
-            generation.num_completion_tokens,
-            now - generation.arrival,
-            None if first is None else first - generation.arrival,
-        )
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is listening; uvicorn drops it
+        body = whole_body(generation, generation.take(generation.choices))
+        return Response(orjson.dumps(body), media_type="application/json")

@@ -9,8 +9,9 @@ from starlette.requests import Request
 
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
-from apiserver.generation import Choice, Generation
+from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter
+from apiserver.prompt_offload import render_chat
 from apiserver.protocol import ChatCompletionRequest, ChatMessage
 from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
@@ -44,7 +45,8 @@ class ChatServing(GenerationServing):
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
         ctx = self.ctx
-        prompt = ctx.renderer.render_chat(
+        prompt = await render_chat(
+            ctx.renderer,
             [message_dict(m) for m in req.messages],
             req.add_generation_prompt,
             req.continue_final_message,
@@ -67,18 +69,19 @@ class ChatServing(GenerationServing):
         writer = ChatChunkWriter(self, response_id, created, top_n)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
-            lambda gen: self.whole_body(gen, response_id, created, top_n),
+            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n),
         )
 
-    def whole_body(self, generation: Generation, response_id: str, created: int, top_n: int) -> dict:
+    def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int,
+                   top_n: int) -> dict:
         choices = []
-        for choice in generation.choices:
+        for delta in deltas:
             choices.append({
-                "index": choice.index,
-                "message": {"role": "assistant", "content": choice.detokenizer.take_delta(final=True)},
-                "logprobs": None if choice.logprobs is None else {"content": self.logprobs.chat(choice.logprobs, top_n)},
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
+                "index": delta.index,
+                "message": {"role": "assistant", "content": delta.text},
+                "logprobs": None if delta.logprobs is None else {"content": self.logprobs.chat(delta.logprobs, top_n)},
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
             })
         return {
             "id": response_id,
@@ -111,5 +114,5 @@ class ChatChunkWriter(ChunkWriterBase):
         delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
         return self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n' % (index, delta, logprobs, tail)
 
-    def logprobs_json(self, choice: Choice) -> bytes:
-        return orjson.dumps({"content": self._logprobs.chat(choice.logprobs, self._top_n)})
+    def logprobs_json(self, delta: Delta) -> bytes:
+        return orjson.dumps({"content": self._logprobs.chat(delta.logprobs, self._top_n)})

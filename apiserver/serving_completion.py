@@ -14,8 +14,9 @@ from starlette.requests import Request
 
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
-from apiserver.generation import Choice, Generation
+from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter
+from apiserver.prompt_offload import encode
 from apiserver.protocol import CompletionRequest
 from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
@@ -30,7 +31,7 @@ class CompletionServing(GenerationServing):
         super().__init__(ctx)
         self.logprobs = LogprobFormatter(ctx.renderer.tokenizer)
 
-    def prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+    async def prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids, and its text where the client sent text (for echo)."""
         if not prompt:
             raise InvalidRequest("`prompt` is empty.", param="prompt")
@@ -38,14 +39,14 @@ class CompletionServing(GenerationServing):
             prompt = [prompt]
         elif isinstance(prompt[0], int):
             prompt = [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
         if isinstance(prompt[0], str):
             texts = prompt
-            token_prompts = [self.ctx.renderer.encode(text) for text in texts]
+            token_prompts = await encode(self.ctx.renderer, texts)
         else:
             texts = [None] * len(prompt)
             token_prompts = prompt
-        if len(token_prompts) > MAX_PROMPTS:
-            raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
         vocab = self.ctx.model.vocab_size
         for ids in token_prompts:
             if not ids:
@@ -61,7 +62,7 @@ class CompletionServing(GenerationServing):
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequest("`max_tokens` must be at least 1 (0 only with `echo`).", param="max_tokens")
         ctx = self.ctx
-        prompts, texts = self.prompts(req.prompt)
+        prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
         max_tokens = min(max_tokens_for(len(p), req.max_tokens, max_model_len, "prompt") for p in prompts)
         top_n = req.logprobs or 0
@@ -80,27 +81,28 @@ class CompletionServing(GenerationServing):
         writer = CompletionChunkWriter(self, response_id, created, top_n, echoes, echo_logprobs)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
-            lambda gen: self.whole_body(gen, response_id, created, top_n, echoes),
+            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, echoes),
         )
 
     def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
         return text if text is not None else self.ctx.renderer.decode(prompt_ids, skip_special_tokens=False)
 
-    def whole_body(self, generation: Generation, response_id: str, created: int, top_n: int, echoes) -> dict:
+    def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int, top_n: int,
+                   echoes) -> dict:
         choices = []
-        for choice in generation.choices:
-            text = choice.detokenizer.take_delta(final=True)
-            entries = choice.logprobs
+        for delta in deltas:
+            text = delta.text
+            entries = delta.logprobs
             if echoes is not None:
-                text = echoes[choice.prompt_index] + text
+                text = echoes[delta.prompt_index] + text
                 if entries is not None:
-                    entries = (choice.prompt_logprobs or []) + entries
+                    entries = (delta.prompt_logprobs or []) + entries
             choices.append({
-                "index": choice.index,
+                "index": delta.index,
                 "text": text,
                 "logprobs": None if entries is None else self.logprobs.completion(entries, top_n, 0),
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
             })
         return {
             "id": response_id,
@@ -137,20 +139,19 @@ class CompletionChunkWriter(ChunkWriterBase):
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
         return self._head + b'{"index":%d,"text":%b,"logprobs":%b%b}]}\n\n' % (index, orjson.dumps(text), logprobs, tail)
 
-    def changes(self, generation: Generation, changed: list[Choice]) -> bytes:
+    def changes(self, deltas: list[Delta]) -> bytes:
         if not self._echo_logprobs:
-            return super().changes(generation, changed)
+            return super().changes(deltas)
         echoed = []
-        for choice in changed:
-            if choice.prompt_logprobs is not None:
-                logprobs = self._logprobs_json(choice.index, choice.prompt_logprobs)
-                choice.prompt_logprobs = None
-                echoed.append(self.event(choice.index, self._echoes[choice.prompt_index], logprobs,
+        for delta in deltas:
+            if delta.prompt_logprobs is not None:
+                logprobs = self._logprobs_json(delta.index, delta.prompt_logprobs)
+                echoed.append(self.event(delta.index, self._echoes[delta.prompt_index], logprobs,
                                          b',"finish_reason":null'))
-        return b"".join(echoed) + super().changes(generation, changed)
+        return b"".join(echoed) + super().changes(deltas)
 
-    def logprobs_json(self, choice: Choice) -> bytes:
-        return self._logprobs_json(choice.index, choice.logprobs)
+    def logprobs_json(self, delta: Delta) -> bytes:
+        return self._logprobs_json(delta.index, delta.logprobs)
 
     def _logprobs_json(self, index: int, entries: list) -> bytes:
         offset = self._text_offsets.get(index, 0)

@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from apiserver.errors import InvalidRequest
+from apiserver.prompt_offload import encode, render_chat
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
 from apiserver.serving_chat import message_dict
@@ -31,15 +32,14 @@ class TokenizeServing(GenerationServing):
         if is_chat:
             req = parse_body(TokenizeChatRequest, body)
             self.check_model(req.model)
-            text = renderer.chat_text(
-                [message_dict(m) for m in req.messages], req.add_generation_prompt, req.continue_final_message,
-                req.chat_template_kwargs,
+            tokens = await render_chat(
+                renderer, [message_dict(m) for m in req.messages], req.add_generation_prompt,
+                req.continue_final_message, req.chat_template_kwargs, req.add_special_tokens,
             )
-            tokens = renderer.encode(text, req.add_special_tokens)
         else:
             req = parse_body(TokenizeCompletionRequest, body)
             self.check_model(req.model)
-            tokens = renderer.encode(req.prompt, req.add_special_tokens)
+            tokens = (await encode(renderer, [req.prompt], req.add_special_tokens))[0]
         return _json({"count": len(tokens), "max_model_len": self.ctx.model.max_model_len, "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:

@@ -72,6 +72,8 @@ class EngineServer:
         if isinstance(record, EngineRequest):
             self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
         elif isinstance(record, AbortRequests):
+            if record.indices is not None:
+                return  # aborting single choices comes with the engine's side of it; until then they run on
             self._send_outputs([(identity, o) for o in self.core.abort(record.request_ids, identity)])
         elif isinstance(record, UtilityCall):
             self._send(identity, self._call(record))

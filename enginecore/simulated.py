@@ -15,6 +15,8 @@ the first token comes one step after arrival.
 Test hooks, documented because tests rely on them:
 - a request whose id contains `sim-engine-die` makes the loop raise, as a real engine bug would: every API
   server hears ENGINE_DEAD and the process exits 1;
+- a request whose id contains `sim-request-error` fails alone: its first step answers each of its choices with
+  an error output (FinishReason.ERROR and a reason), and the engine carries on;
 - UTILITY `stats` reports counters (running, waiting, finished, aborted) so a test can see aborts land.
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ SENTENCE = (
     "and its café culture — «la vie parisienne» 🥐. "
 )
 DIE_MARKER = "sim-engine-die"
+REQUEST_ERROR_MARKER = "sim-request-error"
 # Sampling keys of generation_config.json that the API servers use as defaults.
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -137,6 +140,11 @@ class SimulatedEngine:
                     outputs.setdefault(req.identity, []).append(RequestOutput(
                         request_id, [], seq.index, seq.finish_reason, num_prompt_tokens=prompt_len,
                         prompt_logprobs=prompt_logprobs))
+                    continue
+                if REQUEST_ERROR_MARKER in request_id:
+                    seq.finish_reason = FinishReason.ERROR
+                    outputs.setdefault(req.identity, []).append(RequestOutput(
+                        request_id, [], seq.index, seq.finish_reason, error="simulated request failure"))
                     continue
                 token = self._next_token(seq, sampling)
                 seq.position += 1
@@ -295,7 +303,8 @@ def _receive_all(router: zmq.Socket, engine: SimulatedEngine) -> None:
         if isinstance(record, EngineRequest):
             engine.add(identity, record)
         elif isinstance(record, AbortRequests):
-            engine.abort(record.request_ids)
+            if record.indices is None:  # single choices: not yet (its choices never differ anyway)
+                engine.abort(record.request_ids)
         elif isinstance(record, UtilityCall):
             router.send_multipart([identity, *codec.encode(_call_utility(engine, record))])
 

@@ -5,7 +5,7 @@ It is a frozen dataclass so it pickles into `spawn`ed children unchanged and nob
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ServeConfig:
     sse_keep_alive_interval: float | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    max_request_body_bytes: int = 8 * 1024 * 1024
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
@@ -66,7 +67,6 @@ class ServeConfig:
 
     # Filled in by the supervisor at start-up, not by the user.
     runtime_dir: str = ""
-    extra: dict = field(default_factory=dict)
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

@@ -34,6 +34,7 @@ class FinishReason:
     STOP = "stop"  # EOS or a stop token id (stop_reason says which id)
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    ERROR = "error"  # the engine failed this request alone (RequestOutput.error says why); it carries on
 
 
 @dataclass
@@ -53,6 +54,9 @@ class EngineRequest(Record):
 @dataclass
 class AbortRequests(Record):
     request_ids: list[str]
+    # None: every choice of each request. Else only these choice indices (a choice that a stop string ended
+    # while the request's other choices go on); the request's other choices keep running.
+    indices: list[int] | None = None
 
 
 
@@ -90,6 +94,7 @@ class RequestOutput:
     # Once per sequence, with its first output token (choice 0 only when n > 1): one entry per prompt token from
     # the second on, in the same shape as `logprobs`.
     prompt_logprobs: list | None = None
+    error: str | None = None  # why, when finish_reason is FinishReason.ERROR
 
     @property
     def finished(self) -> bool:

@@ -113,7 +113,10 @@ def _positive(ctx, param, value):
 @click.option("--max-num-queued-reqs", default=None, type=click.IntRange(1),
               help="Most requests admitted at once over the whole group; more get HTTP 503.")
 @click.option("--max-num-queued-tokens", default=None, type=click.IntRange(1),
-              help="Most prompt tokens admitted at once over the whole group; more get HTTP 503.")
+              help="Most prompt tokens admitted at once over the whole group; more get HTTP 503 (a "
+                   "request larger than the limit alone gets 400).")
+@click.option("--max-request-body-bytes", default=_DEFAULTS.max_request_body_bytes, show_default=True,
+              type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")

@@ -67,7 +67,7 @@ def test_api_key_guards_the_model_and_tokenizer(guarded, method, path, body):
     assert httpx.request(method, url, json=body, headers=auth(), timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/health", "/ping", "/metrics", "/version"])
+@pytest.mark.parametrize("path", ["/health", "/ping", "/metrics", "/version", "/openapi.json", "/docs"])
 def test_probes_stay_open(guarded, path):
     assert httpx.get(guarded.url + path, timeout=10).status_code == 200
 

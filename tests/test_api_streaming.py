@@ -76,7 +76,7 @@ def test_admission_limits_hold_for_the_whole_group(start_supervise):
                     release.wait(30)
                 else:
                     body = response.read()
-                    refused.append((response.status_code, body))
+                    refused.append((response.status_code, response.headers.get("retry-after"), body))
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(try_one, i) for i in range(12)]
@@ -88,19 +88,32 @@ def test_admission_limits_hold_for_the_whole_group(start_supervise):
             future.result()
     assert len(admitted) == 3
     assert len(refused) == 9
-    for status, body in refused:
+    for status, retry_after, body in refused:
         assert status == 503 and b'"overloaded_error"' in body and not body.startswith(b"data:")
+        assert retry_after == "1"
     # Once they finished, there is room again.
     ok = httpx.post(f"{group.base_url}/chat/completions", json={"model": "sim:50", "messages": HELLO, "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200
 
 
 def test_token_limit(start_supervise):
-    group = start_supervise("--model", "sim:2", "--max-num-queued-tokens", "20")
-    response = httpx.post(f"{group.base_url}/completions", json={"model": "sim:2", "prompt": "word " * 30}, timeout=30)
-    assert response.status_code == 503 and response.json()["error"]["type"] == "overloaded_error"
-    small = httpx.post(f"{group.base_url}/completions", json={"model": "sim:2", "prompt": "word", "max_tokens": 1}, timeout=30)
-    assert small.status_code == 200
+    group = start_supervise("--model", "sim:50", "--max-num-queued-tokens", "20")
+    url = f"{group.base_url}/completions"
+
+    def complete(prompt: list[int], **fields) -> httpx.Response:
+        return httpx.post(url, json={"model": "sim:50", "prompt": prompt, "max_tokens": 1, **fields}, timeout=30)
+
+    # More tokens than the group ever admits: the client's error, not a 503 that invites a retry.
+    error = complete([100] * 21).json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "too_many_tokens" and "20" in error["message"]
+    body = {"model": "sim:50", "prompt": [100] * 15, "stream": True, "max_tokens": 500, "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, timeout=30) as held:
+        lines = held.iter_lines()  # (kept: a dropped line iterator closes the stream)
+        assert next(lines).startswith("data: ")
+        refused = complete([100] * 10)  # fits the limit, not beside the 15 in flight: retry later
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "overloaded_error"
+        assert refused.headers["retry-after"] == "1"
+    assert complete([100] * 10).status_code == 200
 
 
 def test_sigterm_lets_streams_finish(start_supervise):
