@@ -155,6 +155,18 @@ def test_malformed_and_unknown_messages_are_invalid_argument(group, stub, raw, m
     assert ok.complete.finish_reason == "length"
 
 
+def test_a_request_the_engine_fails_ends_internal_and_the_engine_carries_on(stub):
+    """The simulated engine fails a request whose id holds `sim-request-error` (an error output, FinishReason
+    ERROR): the call ends INTERNAL with the engine's reason, in both answer shapes."""
+    for stream in (False, True):
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, f"sim-request-error-{stream}", stream=stream,
+                                                                max_tokens=3)))
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "The engine failed this request: simulated request failure" in error.details()
+    (ok,) = stub.Generate(generate_request(PROMPT, max_tokens=2))
+    assert ok.complete.finish_reason == "length"
+
+
 def test_a_cancelled_call_is_aborted_in_the_engine(group):
     stub = group.stub()
     wait_engine_idle(stub)

@@ -42,6 +42,7 @@ log = logging.getLogger("apiserver")
 
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 1),  # the group's servers share the port (grpcio's default, stated)
+    ("grpc.max_send_message_length", -1),  # what we send is ours to size (the tokenizer comes in chunks anyway)
     # Gateways keep their channel alive with pings, also between calls and while a long non-streamed call
     # sends nothing; without these grpcio answers such pings with GOAWAY "too_many_pings".
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
@@ -87,7 +88,10 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
     heartbeat = asyncio.create_task(beat_forever(ctx.group, ctx.index, health.update), name="heartbeat")
     try:
         await engine.start(ENGINE_PING_TIMEOUT)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        # --max-request-body-bytes bounds a request message, as it bounds an HTTP body.
+        server = grpc.aio.server(
+            options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes))
+        )
         health.servicer = add_services(server, VllmEngineService(ctx))
         await health.servicer.set(SERVICE_NAME, SERVING)
         host = f"[{config.host}]" if ":" in config.host else config.host

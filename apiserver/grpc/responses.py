@@ -8,13 +8,17 @@ them, since that is what the gateway was written against:
 - whole: one GenerateComplete per sample, once it finishes, with all of its tokens and logprobs.
 A GenerateComplete always carries every output token of its sample (`output_ids`, as the proto says).
 
+A sample the engine failed (finish reason "error") fails the whole call: INTERNAL with the engine's reason
+(smg reads an unknown finish reason as "stop", which would pass the failure off as an answer).
+
 The engine's logprob entries are `[sampled logprob, [[token id, logprob], ...top k]]` per token.
 """
 from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from ipc.messages import RequestOutput
+from apiserver.engine_client import EngineRequestError
+from ipc.messages import FinishReason, RequestOutput
 
 
 class Sample:
@@ -74,6 +78,8 @@ class ResponseBuilder:
             if out.logprobs:
                 logprobs += out.logprobs
             if out.finish_reason is not None:
+                if out.finish_reason == FinishReason.ERROR:  # the whole call fails, as an HTTP request does
+                    raise EngineRequestError(out.error or "no reason given")
                 finish = out
                 break
         sample.token_ids += new

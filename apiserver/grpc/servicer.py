@@ -20,6 +20,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
 from apiserver.context import ServerContext
+from apiserver.engine_client import EngineDeadError
 from apiserver.grpc.generate import RunningRequests, generate
 from apiserver.grpc.info import TokenizerBundle, loads, model_info, server_info
 from apiserver.grpc.request import parse_generate
@@ -134,7 +135,7 @@ class VllmEngineService:
     def _check_engine(self) -> None:
         reason = self.ctx.engine_dead_reason()
         if reason is not None:
-            raise RpcError(Code.UNAVAILABLE, f"The engine is not available: {reason}")
+            raise EngineDeadError(reason)
 
     async def _answer(self, request, context, produce, open_to_all: bool = False):
         """A unary call: produce its answer (a value or an awaitable) from the request."""
