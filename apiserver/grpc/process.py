@@ -103,7 +103,7 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
                 config.host, config.metrics_port, lambda: ctx.metrics.exposition(ctx.group, ctx.model_name)
             )
         ready.send(True)
-        stopping = _StopRequests(server, stop.received)
+        stopping = _StopRequests(server, stop)
         watcher = asyncio.create_task(watch_engines(engine, config.engine_ping_interval, stopping.engine_gone),
                                       name="engine-watch")
         await stopping.wait()
@@ -122,14 +122,14 @@ class _StopRequests:
     """SIGTERM/SIGINT start the drain; a second one cuts it short (running calls are cancelled). An engine that
     stopped answering drains the server too, and the process then exits with ENGINE_GONE_EXIT_CODE."""
 
-    def __init__(self, server: grpc.aio.Server, already_signalled: bool):
+    def __init__(self, server: grpc.aio.Server, early: StopSignals):
         self._server = server
         self._event = asyncio.Event()
         self.gone: str | None = None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
-        if already_signalled:
+        if early.received:  # read after our handlers took over: a signal is seen by one or the other
             self._event.set()
 
     def _on_signal(self) -> None:
