@@ -66,8 +66,18 @@ def test_api_key_metadata_and_group_wide_admission():
 
 @pytest.fixture(scope="module")
 def group():
-    with GrpcSupervise("--model", "sim:10", "--api-server-count", "2") as server:
+    with GrpcSupervise("--model", "sim:10", "--api-server-count", "2", "--heartbeat-timeout", "3") as server:
         yield server
+
+
+def test_a_frozen_grpc_server_is_replaced_by_its_missing_heartbeat(group):
+    """The heartbeat comes from the server's event loop: SIGSTOP silences it, and the supervisor replaces it."""
+    before = group.api_server_pids()
+    victim = sorted(before)[-1]
+    subprocess.run(["kill", "-STOP", str(victim)], check=True)
+    wait_until(lambda: victim not in group.api_server_pids() and len(group.api_server_pids()) == 2, 30,
+               "the frozen server to be replaced", group)
+    assert "has not beaten for" in group.log()
 
 
 def test_a_killed_grpc_server_is_replaced(group):
