@@ -1,9 +1,8 @@
 """Entry point of an API server process (the supervisor starts it with multiprocessing `spawn`).
 
 CONTRACT (the supervisor relies on exactly this):
-    run_api_server(config: ServeConfig, index: int, listen_socket: socket.socket, model: ModelInfo,
-                   engine_addresses: list[str], shared_state_name: str, group_lock, lifeline: Connection,
-                   ready: Connection) -> None
+    run_api_server(launch: ipc.launch.ApiServerLaunch) -> None
+  (config, index, listen_socket, model, engine_addresses, shared_state_name, ready, lifeline: see ApiServerLaunch)
 - set the process title `supervise: ApiServer_<index>`, ipc.logs.setup_logging(f"ApiServer_{index}", ...),
   ipc.lifeline.die_with_parent(lifeline); attach ipc.shared_state.GroupState(shared_state_name), claim(index);
 - load the tokenizer from model.model_dir without importing torch;
@@ -18,10 +17,9 @@ import asyncio
 import logging
 import os
 
-from ipc.config import ServeConfig
+from ipc.launch import ApiServerLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
-from ipc.model_info import ModelInfo
 from ipc.shared_state import GroupState
 
 log = logging.getLogger("apiserver")
@@ -30,17 +28,10 @@ ENGINE_PING_TIMEOUT = 60.0
 ENGINE_GONE_EXIT_CODE = 3  # the engine stopped answering: the supervisor logs this exit and decides
 
 
-def run_api_server(
-    config: ServeConfig,
-    index: int,
-    listen_socket,
-    model: ModelInfo,
-    engine_addresses: list[str],
-    shared_state_name: str,
-    group_lock,
-    lifeline,
-    ready,
-) -> None:
+def run_api_server(launch: ApiServerLaunch) -> None:
+    config, index, listen_socket, model = launch.config, launch.index, launch.listen_socket, launch.model
+    engine_addresses, shared_state_name = list(launch.engine_addresses), launch.shared_state_name
+    lifeline, ready = launch.lifeline, launch.ready
     from setproctitle import setproctitle
 
     setproctitle(f"supervise: ApiServer_{index}")
@@ -58,12 +49,12 @@ def run_api_server(
 
     renderer = Renderer(load_tokenizer(model.model_dir))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop))
+        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop))
     group.close()
     log.info("stopped")
 
 
-async def _serve(config, index, listen_socket, model, engine_addresses, group, group_lock, ready, renderer, stop) -> None:
+async def _serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop) -> None:
     from apiserver.admission import AdmissionControl
     from apiserver.app import build_app
     from apiserver.context import ServerContext
@@ -80,9 +71,7 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, g
         renderer=renderer,
         engine=engine,
         group=group,
-        admission=AdmissionControl(
-            group, group_lock, index, config.max_num_queued_reqs, config.max_num_queued_tokens
-        ),
+        admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
         metrics=Metrics(config.runtime_dir, index),
     )
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")

@@ -169,6 +169,14 @@ class EngineCore:
                                                  num_prompt_tokens=seq.num_prompt_tokens))
         return outputs
 
+    def abort_client(self, identity: str) -> int:
+        """Abort every request of one API server (the supervisor calls this when that server is gone): the count.
+        Their abort outputs are dropped: nobody is left to read them."""
+        client = identity.encode()
+        request_ids = [request_id for owner, request_id in self.requests if owner == client]
+        self.abort(request_ids, client)
+        return len(request_ids)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

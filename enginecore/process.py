@@ -1,7 +1,7 @@
 """Entry point of an engine core process (the supervisor starts it with multiprocessing `spawn`).
 
 CONTRACT (the supervisor relies on exactly this):
-    run_engine_core(config: ServeConfig, rank: int, ready: Connection, lifeline: Connection) -> None
+    run_engine_core(launch: ipc.launch.EngineLaunch) -> None   (config, rank, ready, lifeline: see EngineLaunch)
 - set the process title `supervise: EngineCore_DP<rank>`, call ipc.logs.setup_logging(f"EngineCore_DP{rank}",
   config.log_level) and ipc.lifeline.die_with_parent(lifeline);
 - resolve and load the model (enginecore.model_source), log progress, allocate the KV cache;
@@ -20,6 +20,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ipc.config import ServeConfig
+from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.model_info import EngineFailed, EngineReady
@@ -36,7 +37,8 @@ def _on_signal(signum, frame):
     raise ShutdownRequested(signal.Signals(signum).name)
 
 
-def run_engine_core(config: ServeConfig, rank: int, ready: Connection, lifeline: Connection) -> None:
+def run_engine_core(launch: EngineLaunch) -> None:
+    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
     try:
         from setproctitle import setproctitle
 

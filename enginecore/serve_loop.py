@@ -40,6 +40,7 @@ class EngineServer:
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
+            "abort_client": core.abort_client,  # the supervisor, when an API server is gone
         }
 
     def serve_forever(self) -> None:

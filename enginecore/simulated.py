@@ -32,6 +32,7 @@ import zmq
 
 from ipc import codec
 from ipc.config import ServeConfig
+from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.messages import (
@@ -111,6 +112,13 @@ class SimulatedEngine:
         for request_id in request_ids:
             if self.running.pop(request_id, None) is not None:
                 self.num_aborted += 1
+
+    def abort_client(self, identity: str) -> int:
+        """Abort every request of one API server (the supervisor calls this when that server is gone): the count."""
+        owner = identity.encode()
+        request_ids = [request_id for request_id, req in self.running.items() if req.identity == owner]
+        self.abort(request_ids)
+        return len(request_ids)
 
     def stats(self) -> dict:
         return {
@@ -225,8 +233,9 @@ def load_model_info(config: ServeConfig) -> tuple[ModelInfo, list[int]]:
     return info, sentence_ids
 
 
-def run_simulated_engine_core(config: ServeConfig, rank: int, ready, lifeline) -> None:
+def run_simulated_engine_core(launch: EngineLaunch) -> None:
     """Same CONTRACT as enginecore.process.run_engine_core, for `--model sim:<itl_ms>`."""
+    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
     try:
         from setproctitle import setproctitle
 
@@ -316,4 +325,6 @@ def _call_utility(engine: SimulatedEngine, call: UtilityCall) -> UtilityResult:
         return UtilityResult(call.call_id, engine.stats())
     if call.method == "reset_prefix_cache":
         return UtilityResult(call.call_id, True)
+    if call.method == "abort_client":
+        return UtilityResult(call.call_id, engine.abort_client(*call.args))
     return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")

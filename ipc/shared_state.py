@@ -1,16 +1,20 @@
 """One block of shared memory for the whole group, made by the supervisor and attached by every API server.
 
 Each API server owns one slot and is its only writer (open connections, in-flight requests, heartbeat,
-admitted requests and tokens). The group-wide admission totals are the sums over the slots, read and raised
-under the group's lock (a multiprocessing.Lock handed to every server) so that together the servers never
-admit more than the limit. A server that dies takes its admitted counts with it: the supervisor releases its
-slot, and nothing leaks.
+admitted requests and tokens); the supervisor zeroes a slot only once its server is dead. The group-wide
+admission totals are the sums over the slots, with no lock: a server counts a request into its own slot
+first and then sums every slot (apiserver/admission.py), so a server that dies at any point leaves nothing
+held but its own counts, which the supervisor releases with its slot. The admission counters are read and
+written with sequentially consistent atomics (atomicshm): plain stores could be reordered after the loads
+that follow them, and two servers could then each miss the other's count.
 """
 from __future__ import annotations
 
 import struct
 import time
 from multiprocessing import shared_memory
+
+import atomicshm
 
 MAX_SLOTS = 128
 # open_connections, in_flight, heartbeat, pid, admitted requests, admitted prompt tokens
@@ -31,6 +35,10 @@ class GroupState:
         # Typed views over the same bytes: one int64 view and one float64 view.
         self._ints = shm.buf.cast("q")
         self._floats = shm.buf.cast("d")
+        # Atomic cells for the admission counters, bound once per slot (the bounds checks happen here).
+        self._atomics = atomicshm.AtomicView(shm.buf)
+        self._admitted_requests = [self._cell(slot, _ADMITTED_REQUESTS) for slot in range(MAX_SLOTS)]
+        self._admitted_tokens = [self._cell(slot, _ADMITTED_TOKENS) for slot in range(MAX_SLOTS)]
 
     @classmethod
     def create(cls) -> "GroupState":
@@ -42,7 +50,12 @@ class GroupState:
     def attach(cls, name: str) -> "GroupState":
         return cls(shared_memory.SharedMemory(name=name), owner=False)
 
+    def _cell(self, slot: int, field: int) -> atomicshm.AtomicU64:
+        return self._atomics.cell_u64(self._at(slot, field) * 8)
+
     def close(self) -> None:
+        self._admitted_requests = self._admitted_tokens = []
+        self._atomics.close()
         self._ints.release()
         self._floats.release()
         self._shm.close()
@@ -91,8 +104,10 @@ class GroupState:
         self._ints[self._at(slot, _PID)] = 0
 
     def _zero_counters(self, slot: int) -> None:
-        for field in (_OPEN, _IN_FLIGHT, _ADMITTED_REQUESTS, _ADMITTED_TOKENS):
+        for field in (_OPEN, _IN_FLIGHT):
             self._ints[self._at(slot, field)] = 0
+        self._admitted_requests[slot].store(0)
+        self._admitted_tokens[slot].store(0)
 
     def least_open_connections(self) -> int:
         """The fewest open connections among live servers (pid set)."""
@@ -103,18 +118,19 @@ class GroupState:
                 best = n if best is None or n < best else best
         return best or 0
 
-    # Group-wide admission: callers hold the group lock.
+    # Group-wide admission (the protocol is in apiserver/admission.py).
     def admitted(self) -> tuple[int, int]:
-        """Requests and prompt tokens admitted and not yet finished, over every server of the group."""
-        requests = tokens = 0
-        for base in range(0, MAX_SLOTS * _FIELDS, _FIELDS):
-            requests += self._ints[base + _ADMITTED_REQUESTS]
-            tokens += self._ints[base + _ADMITTED_TOKENS]
-        return requests, tokens
+        """Requests and prompt tokens counted in, over every server of the group (one atomic load per slot)."""
+        requests = sum(cell.load() for cell in self._admitted_requests)
+        tokens = sum(cell.load() for cell in self._admitted_tokens)
+        # Counters wrap at 64 bits (a release is an add of a negative number): the sum, taken modulo 2**64, is
+        # the signed total.
+        return atomicshm.as_signed(requests % 2**64, 64), atomicshm.as_signed(tokens % 2**64, 64)
 
     def add_admitted(self, slot: int, requests: int, tokens: int) -> None:
-        self._ints[self._at(slot, _ADMITTED_REQUESTS)] += requests
-        self._ints[self._at(slot, _ADMITTED_TOKENS)] += tokens
+        """Only the server that owns `slot` calls this."""
+        self._admitted_requests[slot].fetch_add(requests)
+        self._admitted_tokens[slot].fetch_add(tokens)
 
     # Set by the supervisor when it sees an engine core die without a word (kill -9, OOM): the API servers
     # then answer 503 at once instead of waiting on an engine that will never reply.

@@ -13,6 +13,10 @@ def engine_address(runtime_dir: str, rank: int) -> str:
     return f"ipc://{os.path.join(runtime_dir, f'engine-{rank}.sock')}"
 
 
+# The supervisor's own DEALER to every engine (UTILITY `abort_client` when an API server is gone).
+SUPERVISOR_IDENTITY = b"supervisor"
+
+
 def api_server_identity(index: int) -> bytes:
     return f"api-{index}".encode()
 

@@ -12,6 +12,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from ipc.config import ServeConfig
+from ipc.launch import ApiServerLaunch, EngineLaunch
 from ipc.model_info import ModelInfo
 from supervisor.child_entry import run_child
 
@@ -25,7 +26,7 @@ API_SERVER_ENTRY = "apiserver.process:run_api_server"
 GRPC_API_SERVER_ENTRY = "apiserver.grpc.process:run_grpc_api_server"
 
 
-@dataclass
+@dataclass(eq=False)  # a child is itself, not its fields
 class Child:
     name: str  # EngineCore_DP0, ApiServer_3: the names the logs and process titles use
     kind: str  # "engine" | "api"
@@ -35,11 +36,22 @@ class Child:
     lifeline: Connection  # we hold the only write end; it closes when we die, whatever kills us
     started_at: float = field(default_factory=time.monotonic)
     ready: bool = False
+    ready_lost: bool = False  # its ready pipe closed without a record: it is dying
     stopping: bool = False  # we asked it to stop: its exit is expected
+    kill_reason: str | None = None  # why we SIGKILLed it, for the line that reports its exit
+    replaces: int | None = None  # rolling restart: the index of the API server it takes over from
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
 
     @property
     def alive(self) -> bool:
         return self.process.exitcode is None
+
+    @property
+    def awaiting_ready(self) -> bool:
+        return not self.ready and not self.ready_lost
 
     def signal(self, signum: int) -> None:
         if self.alive and self.process.pid:
@@ -52,8 +64,10 @@ class Child:
         self.stopping = True
         self.signal(signal.SIGTERM)
 
-    def kill(self) -> None:
-        self.stopping = True
+    def kill(self, reason: str) -> None:
+        """SIGKILL, once: the reason is what the log says when its exit is reported."""
+        if self.kill_reason is None:
+            self.kill_reason = reason
         self.signal(signal.SIGKILL)
 
     def close(self) -> None:
@@ -64,13 +78,12 @@ class Child:
                 pass
 
 
-def _spawn(ctx: SpawnContext, name: str, kind: str, index: int, entry: str, make_args) -> Child:
-    """make_args(ready, lifeline) -> the entry point's arguments, in the order its contract gives."""
-    ready_read, ready_write = ctx.Pipe(duplex=False)
-    lifeline_read, lifeline_write = ctx.Pipe(duplex=False)
-    process = ctx.Process(
-        target=run_child, args=(entry, *make_args(ready_write, lifeline_read)), name=name, daemon=False
-    )
+def _spawn(mp_context: SpawnContext, name: str, kind: str, index: int, entry: str, make_launch) -> Child:
+    """make_launch(ready, lifeline) -> the entry point's one argument (an ipc.launch record)."""
+    ready_read, ready_write = mp_context.Pipe(duplex=False)
+    lifeline_read, lifeline_write = mp_context.Pipe(duplex=False)
+    launch = make_launch(ready_write, lifeline_read)
+    process = mp_context.Process(target=run_child, args=(entry, launch), name=name, daemon=False)
     process.start()
     # The child has its own copies now; ours would keep the pipes open after the child died.
     ready_write.close()
@@ -79,30 +92,26 @@ def _spawn(ctx: SpawnContext, name: str, kind: str, index: int, entry: str, make
     return Child(name, kind, index, process, ready_read, lifeline_write)
 
 
-def spawn_engine_core(ctx: SpawnContext, config: ServeConfig, rank: int) -> Child:
+def spawn_engine_core(mp_context: SpawnContext, config: ServeConfig, rank: int) -> Child:
     entry = SIMULATED_ENGINE_ENTRY if (config.model or "").startswith("sim:") else ENGINE_ENTRY
     return _spawn(
-        ctx, f"EngineCore_DP{rank}", "engine", rank, entry, lambda ready, lifeline: (config, rank, ready, lifeline)
+        mp_context, f"EngineCore_DP{rank}", "engine", rank, entry,
+        lambda ready, lifeline: EngineLaunch(config, rank, ready, lifeline),
     )
 
 
 def spawn_api_server(
-    ctx: SpawnContext,
+    mp_context: SpawnContext,
     config: ServeConfig,
     index: int,
     listen_socket: socket.socket,
     model: ModelInfo,
     engine_addresses: list[str],
     shared_state_name: str,
-    group_lock,
 ) -> Child:
     return _spawn(
-        ctx,
-        f"ApiServer_{index}",
-        "api",
-        index,
-        GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
-        lambda ready, lifeline: (
-            config, index, listen_socket, model, engine_addresses, shared_state_name, group_lock, lifeline, ready
+        mp_context, f"ApiServer_{index}", "api", index, GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
+        lambda ready, lifeline: ApiServerLaunch(
+            config, index, listen_socket, model, tuple(engine_addresses), shared_state_name, ready, lifeline
         ),
     )

@@ -11,7 +11,7 @@ from ipc.config import ServeConfig
 _DEFAULTS = ServeConfig()
 
 
-def _list_option(ctx, param, value):
+def _list_option(click_context, param, value):
     """A JSON list (as vLLM takes it) or a comma-separated list -> a tuple of strings."""
     if value is None:
         return ()
@@ -27,7 +27,7 @@ def _list_option(ctx, param, value):
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _positive(ctx, param, value):
+def _positive(click_context, param, value):
     if value is not None and value <= 0:
         raise click.BadParameter("must be greater than 0")
     return value
@@ -72,6 +72,9 @@ def _positive(ctx, param, value):
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, type=int, help="Engine random seed.")
 @click.option("--engine-ready-timeout", default=_DEFAULTS.engine_ready_timeout, show_default=True,
               type=click.FloatRange(1), help="Seconds the engine cores may take to load the model.")
+@click.option("--api-server-ready-timeout", default=_DEFAULTS.api_server_ready_timeout, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds an API server may take to start serving (then it is killed).")
 @click.option("--shutdown-timeout", default=_DEFAULTS.shutdown_timeout, show_default=True,
               type=click.FloatRange(0), help="Seconds in-flight requests may take to finish on SIGTERM.")
 @click.option("--heartbeat-timeout", default=_DEFAULTS.heartbeat_timeout, show_default=True,

@@ -1,52 +1,63 @@
-"""The process group: engine cores first, then the API servers that talk to them, and the stop in reverse."""
+"""The process group: the owner of every child, as gunicorn's arbiter owns its workers.
+
+Only the group spawns, drains, kills and reaps children, and only it edits its lists and the shared slots. The
+watchdog decides *when* (it maps events to these verbs); the group does it, and never waits except in `start`
+and `stop`, through the supervisor's one event source.
+
+Start-up: engines first, then the API servers that talk to them; the stop in reverse.
+"""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import socket
-import time
-from multiprocessing.connection import wait
+from collections.abc import Collection
 
 from ipc.config import ServeConfig
 from ipc.model_info import EngineReady, ModelInfo
 from ipc.shared_state import GroupState
-from ipc.sockets import engine_address
+from ipc.sockets import api_server_identity, engine_address
 from supervisor.children import Child, spawn_api_server, spawn_engine_core
-from supervisor.signals import STOP_SIGNALS, SignalInbox
+from supervisor.engine_link import EngineLink
+from supervisor.events import ChildExited, EventSource, SignalArrived, TimerFired
+from supervisor.signals import STOP_SIGNALS
 from supervisor.startup import wait_until_ready
 from supervisor.systemd import SystemdNotifier
 
 log = logging.getLogger(__name__)
 
 ENGINE_STOP_TIMEOUT = 15.0
+_STOP_DEADLINE = "stop-deadline"
 
 
 class ProcessGroup:
-    def __init__(self, config: ServeConfig, listen_socket: socket.socket, inbox: SignalInbox,
+    def __init__(self, config: ServeConfig, listen_socket: socket.socket, events: EventSource,
                  notifier: SystemdNotifier):
         self.config = config
         self.listen_socket = listen_socket
-        self.inbox = inbox
+        self.events = events
         self.notifier = notifier
-        self.ctx = multiprocessing.get_context("spawn")
+        self.mp_context = multiprocessing.get_context("spawn")
         self.state = GroupState.create()
-        self.lock = self.ctx.Lock()  # guards the group-wide admission counters in `state`
         self.engine_addresses = [engine_address(config.runtime_dir, r) for r in range(config.data_parallel_size)]
         self.engines: list[Child] = []
-        self.api_servers: dict[int, Child] = {}
+        self.api_servers: dict[int, Child] = {}  # index -> the server that serves under it
         self.draining: list[Child] = []  # replaced or surplus API servers finishing their requests
         self.model: ModelInfo | None = None
+        self.engine_link: EngineLink | None = None
 
     def children(self) -> list[Child]:
         return [*self.engines, *self.api_servers.values(), *self.draining]
 
+    # Start-up.
     def start(self) -> None:
         """Engines, then API servers; returns when all serve. Raises StartupFailed or StopRequested."""
         n = self.config.data_parallel_size
         self.notifier.status(f"loading the model in {n} engine core(s)")
-        self.engines = [spawn_engine_core(self.ctx, self.config, rank) for rank in range(n)]
+        self.engines = [spawn_engine_core(self.mp_context, self.config, rank) for rank in range(n)]
         records = wait_until_ready(
-            self.engines, self.config.engine_ready_timeout, self.inbox, self.notifier, f"{n} engine core(s)"
+            self.events, self.engines, self.config.engine_ready_timeout, "--engine-ready-timeout", self.notifier,
+            f"{n} engine core(s)",
         )
         ready: EngineReady = records[self.engines[0].name]
         self.model = ready.model
@@ -55,35 +66,79 @@ class ProcessGroup:
             self.config.model_name, ready.model.device, ready.model.dtype, ready.model.max_model_len,
             ready.model.num_kv_blocks, ready.model.block_size,
         )
+        self.engine_link = self.events.engine_link = EngineLink(self.engine_addresses)
         self.notifier.status("starting the API servers")
         servers = [self.spawn_api_server(i) for i in range(self.config.api_server_count)]
         wait_until_ready(
-            servers, self.config.api_server_ready_timeout, self.inbox, self.notifier,
-            f"{len(servers)} API server(s)",
+            self.events, servers, self.config.api_server_ready_timeout, "--api-server-ready-timeout",
+            self.notifier, f"{len(servers)} API server(s)",
         )
 
-    def spawn_api_server(self, index: int) -> Child:
+    # The verbs.
+    def spawn_api_server(self, index: int, replaces: int | None = None) -> Child:
         child = spawn_api_server(
-            self.ctx, self.config, index, self.listen_socket, self.model, self.engine_addresses,
-            self.state.name, self.lock,
+            self.mp_context, self.config, index, self.listen_socket, self.model, self.engine_addresses,
+            self.state.name,
         )
+        child.replaces = replaces
         self.api_servers[index] = child
         return child
 
-    def free_api_index(self) -> int:
-        taken = set(self.api_servers) | {c.index for c in self.draining}
+    def replace(self, old_index: int, reserved: Collection[int] = ()) -> Child:
+        """Start the successor of API server `old_index` at a free index; drain the old one once it is ready."""
+        return self.spawn_api_server(self.free_api_index(reserved), replaces=old_index)
+
+    def mark_ready(self, child: Child) -> None:
+        child.ready = True
+
+    def drain(self, index: int) -> Child:
+        """API server `index` stops taking work and finishes what it has; it keeps its index until it exits."""
+        child = self.api_servers.pop(index)
+        child.stop()
+        self.draining.append(child)
+        return child
+
+    def kill(self, child: Child, reason: str) -> None:
+        child.kill(reason)
+
+    def reap(self, child: Child) -> None:
+        """Forget a child that exited. An API server's slot is released (its admitted requests with it) and the
+        engines drop its unfinished requests."""
+        if child.kind == "engine":
+            self.engines.remove(child)
+        elif child in self.draining:
+            self.draining.remove(child)
+        elif self.api_servers.get(child.index) is child:
+            del self.api_servers[child.index]
+        if child.kind == "api":
+            self.state.release(child.index)
+            if self.engine_link is not None:
+                self.engine_link.abort_client(api_server_identity(child.index))
+        child.close()
+
+    def mark_engine_dead(self, rank: int) -> None:
+        """API servers answer 503 at once instead of waiting on an engine that will never reply."""
+        self.state.mark_engine_dead(rank)
+
+    # Facts the watchdog reads.
+    def free_api_index(self, reserved: Collection[int] = ()) -> int:
+        """The lowest index no server holds (`reserved`: indices promised to restarts that are due)."""
+        taken = set(self.api_servers) | {c.index for c in self.draining} | set(reserved)
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
+    def silent_for(self, index: int, now: float) -> float:
+        """Seconds since API server `index`'s event loop last beat."""
+        return now - self.state.heartbeat(index)
+
+    # The stop.
     def stop(self, drain_timeout: float) -> bool:
         """API servers drain first (up to drain_timeout), then the engines stop.
         Returns False if a second stop signal cut the drain short (everything is killed then)."""
-        graceful = True
         self.state.mark_group_stopping()  # before the SIGTERMs: the servers read it when their drain starts
         servers = [c for c in self.api_servers.values() if c.alive] + [c for c in self.draining if c.alive]
         for child in servers:
             child.stop()
-        if not self._wait_exit(servers, drain_timeout + 5.0):
-            graceful = False
+        graceful = self._wait_exit(servers, drain_timeout + 5.0)
         engines = [c for c in self.engines if c.alive]
         for child in engines:
             child.stop()
@@ -93,29 +148,37 @@ class ProcessGroup:
         return graceful
 
     def _wait_exit(self, children: list[Child], timeout: float) -> bool:
-        """Wait for children to exit. False when a second SIGTERM/SIGINT says: stop now."""
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = [c for c in children if c.alive]
-            remaining = deadline - time.monotonic()
-            if not alive:
-                return True
-            if remaining <= 0:
-                for c in alive:
-                    log.warning("%s did not stop within %.0f s: killing it", c.name, timeout)
-                return True
-            for ready in wait([c.process.sentinel for c in alive] + [self.inbox], timeout=remaining):
-                if ready is self.inbox and any(s in STOP_SIGNALS for s in self.inbox.take()):
-                    log.warning("second stop signal: stopping at once")
-                    return False
+        """Wait for children to exit, at most `timeout` s (then they are killed). False when a second
+        SIGTERM/SIGINT says: stop now."""
+        waiting = {c for c in children if c.alive}
+        self.events.timers.set(_STOP_DEADLINE, timeout)
+        try:
+            while waiting:
+                for event in self.events.wait(waiting):
+                    if isinstance(event, ChildExited):
+                        waiting.discard(event.child)
+                    elif isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
+                        log.warning("second stop signal: stopping at once")
+                        return False
+                    elif isinstance(event, TimerFired) and event.key == _STOP_DEADLINE:
+                        for child in waiting:
+                            log.warning("%s did not stop within %.0f s: killing it", child.name, timeout)
+                            child.kill(f"it did not stop within {timeout:.0f} s")
+                        return True
+            return True
+        finally:
+            self.events.timers.cancel(_STOP_DEADLINE)
 
     def kill_all(self) -> None:
         for child in self.children():
             if child.alive:
-                child.kill()
+                child.kill("the group is going down")
         for child in self.children():
             child.process.join(5)
             child.close()
 
     def close(self) -> None:
+        if self.engine_link is not None:
+            self.engine_link.close()
+            self.engine_link = self.events.engine_link = None
         self.state.close()

@@ -10,6 +10,7 @@ from setproctitle import setproctitle
 
 from ipc.config import ServeConfig
 from ipc.logs import setup_logging
+from supervisor.events import EventSource, Timers
 from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
 from supervisor.listen_socket import PortInUse, bound_address, open_listen_socket
@@ -56,7 +57,9 @@ def serve(config: ServeConfig) -> int:
 
 
 def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int | Outcome:
-    group = ProcessGroup(config, listen_socket, inbox, notifier)
+    timers = Timers()
+    events = EventSource(inbox, timers)
+    group = ProcessGroup(config, listen_socket, events, notifier)
     try:
         try:
             group.start()
@@ -82,11 +85,14 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int |
             summary += f"; metrics on http://{url_host}:{config.metrics_port}/metrics"
         log.info("%s", summary)
         notifier.ready(summary)
-        outcome = Watchdog(group, inbox, notifier).run()
+        outcome = Watchdog(group, timers, notifier).run(events)
         if outcome is Outcome.RESTART_GROUP:
-            group.stop(drain_timeout=2.0)
+            group.stop(drain_timeout=2.0)  # the port stays open: clients wait in the backlog for the new group
             return outcome
         notifier.stopping()
+        # The group is going down: new connections must be refused at once, not queued in the backlog and reset
+        # when the last process holding the socket exits. Each API server closes its own copy as it drains.
+        listen_socket.close()
         if outcome is Outcome.STOP:
             graceful = group.stop(config.shutdown_timeout)
             log.info("stopped%s", "" if graceful else " (cut short by a second signal)")

@@ -1,5 +1,5 @@
-"""Signals as events: handlers only note the signal and wake the watchdog through a self-pipe, so every
-decision is taken in the watchdog loop, never inside a signal handler."""
+"""Signals as events: handlers only note the signal and wake the supervisor's event source through a
+self-pipe, so every decision is taken in the supervisor's loop, never inside a signal handler."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,7 @@ class SignalInbox:
         self._pending.append(signum)
 
     def fileno(self) -> int:
-        """Readable when a signal arrived: put it in the watchdog's wait list."""
+        """Readable when a signal arrived (the event source waits on it)."""
         return self._read_fd
 
     def take(self) -> list[int]:
@@ -36,8 +36,8 @@ class SignalInbox:
         return taken
 
 
-def describe_exit(exitcode: int | None) -> str:
-    """How a child ended, for the log line that says why."""
+def describe_exit(exitcode: int | None, kill_reason: str | None = None) -> str:
+    """How a child ended, for the log line that says why. `kill_reason`: why the supervisor itself killed it."""
     if exitcode is None:
         return "still running"
     if exitcode >= 0:
@@ -48,5 +48,7 @@ def describe_exit(exitcode: int | None) -> str:
     except ValueError:
         name = f"signal {signum}"
     if signum == signal.SIGKILL:
+        if kill_reason is not None:
+            return f"killed by {name} (by the supervisor: {kill_reason})"
         return f"killed by {name} (perhaps out of memory)"
     return f"killed by {name}"

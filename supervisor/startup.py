@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import logging
 import time
-from multiprocessing.connection import wait
 
 from ipc.model_info import EngineFailed
 from supervisor.children import Child
-from supervisor.signals import STOP_SIGNALS, SignalInbox, describe_exit
+from supervisor.events import ChildExited, ChildReady, EventSource, SignalArrived, TimerFired
+from supervisor.signals import STOP_SIGNALS, describe_exit
 from supervisor.systemd import SystemdNotifier
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 15.0
+_DEADLINE = "startup-deadline"
+_PROGRESS = "startup-progress"
 
 
 class StartupFailed(Exception):
@@ -26,48 +28,40 @@ class StopRequested(Exception):
 
 
 def wait_until_ready(
-    children: list[Child], timeout: float, inbox: SignalInbox, notifier: SystemdNotifier, what: str
+    events: EventSource, children: list[Child], timeout: float, timeout_option: str, notifier: SystemdNotifier,
+    what: str,
 ) -> dict[str, object]:
-    """Each child's READY record, by child name. Raises StartupFailed or StopRequested."""
+    """Each child's READY record, by child name. Raises StartupFailed (naming `timeout_option` when the time is
+    up) or StopRequested."""
     started = time.monotonic()
-    deadline = started + timeout
-    pending = {c.ready_conn: c for c in children}
+    pending = {c.name: c for c in children}
     records: dict[str, object] = {}
-    next_progress = started + PROGRESS_EVERY
-    while pending:
-        now = time.monotonic()
-        if now >= deadline:
-            names = ", ".join(c.name for c in pending.values())
-            raise StartupFailed(f"{names} not ready after {timeout:.0f} s (--engine-ready-timeout)")
-        if now >= next_progress:
-            names = ", ".join(c.name for c in pending.values())
-            log.info("still waiting for %s to be ready (%.0f s)", names, now - started)
-            next_progress = now + PROGRESS_EVERY
-        # While the model loads, tell systemd we are making progress, not hanging.
-        notifier.extend_timeout(PROGRESS_EVERY * 3)
-        sentinels = {c.process.sentinel: c for c in pending.values()}
-        waitables = [*pending, *sentinels, inbox]
-        for ready in wait(waitables, timeout=min(deadline, next_progress) - now):
-            if ready is inbox:
-                if any(s in STOP_SIGNALS for s in inbox.take()):
-                    raise StopRequested()
-            elif ready in pending:
-                child = pending[ready]
-                try:
-                    record = ready.recv()
-                except (EOFError, OSError):
-                    child.process.join(5)  # it closed the pipe unread: it is dying or dead
+    events.timers.set(_DEADLINE, timeout)
+    events.timers.set(_PROGRESS, PROGRESS_EVERY)
+    notifier.extend_timeout(PROGRESS_EVERY * 3)  # while the model loads: progress, not a hang
+    try:
+        while pending:
+            for event in events.wait(pending.values()):
+                if isinstance(event, ChildReady) and event.child.name in pending:
+                    if isinstance(event.record, EngineFailed):
+                        raise StartupFailed(event.record.message, exit_code=2 if event.record.user_error else 1)
+                    event.child.ready = True
+                    records[event.child.name] = event.record
+                    del pending[event.child.name]
+                elif isinstance(event, ChildExited) and event.child.name in pending:
+                    child = event.child
                     raise StartupFailed(f"{child.name} died while starting: {describe_exit(child.process.exitcode)}")
-                if isinstance(record, EngineFailed):
-                    raise StartupFailed(record.message, exit_code=2 if record.user_error else 1)
-                child.ready = True
-                records[child.name] = record
-                del pending[ready]
-            elif ready in sentinels:
-                child = sentinels[ready]
-                if child.ready_conn.poll():
-                    continue  # its last word (READY or why not) is read above, in the next round
-                child.process.join(0)
-                raise StartupFailed(f"{child.name} died while starting: {describe_exit(child.process.exitcode)}")
+                elif isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
+                    raise StopRequested()
+                elif isinstance(event, TimerFired) and event.key == _DEADLINE:
+                    names = ", ".join(pending)
+                    raise StartupFailed(f"{names} not ready after {timeout:g} s ({timeout_option})")
+                elif isinstance(event, TimerFired) and event.key == _PROGRESS:
+                    log.info("still waiting for %s to be ready (%.0f s)", ", ".join(pending), time.monotonic() - started)
+                    notifier.extend_timeout(PROGRESS_EVERY * 3)
+                    events.timers.set(_PROGRESS, PROGRESS_EVERY)
+    finally:
+        events.timers.cancel(_DEADLINE)
+        events.timers.cancel(_PROGRESS)
     log.info("%s ready in %.1f s", what, time.monotonic() - started)
     return records

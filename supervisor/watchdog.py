@@ -1,21 +1,21 @@
-"""The supervisor's one loop: child sentinels, ready pipes of new servers, signals and a 1 s timer.
+"""The watchdog: what the supervisor does about each event while the group serves.
 
-It restarts what can be restarted (API servers), and decides when the group must go down (an engine core
-died, or API servers keep dying). It returns what should happen next; the caller does the stopping.
+It maps events to the group's verbs (spawn, replace, drain, kill, reap) and never blocks: waits become timers
+(a restart's back-off, the grace after an engine died, the 1 s tick that checks heartbeats). It restarts what
+can be restarted (API servers) and decides when the group must go down (an engine core died, or API servers
+keep dying); it returns what should happen next, and the caller does the stopping.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import signal
-import time
 from collections import deque
-from multiprocessing.connection import wait
 
 from supervisor.children import Child
-from supervisor.group import ProcessGroup
+from supervisor.events import ChildExited, ChildReady, Event, EventSource, SignalArrived, TimerFired, Timers
 from supervisor.restart_policy import RestartBudget
-from supervisor.signals import STOP_SIGNALS, SignalInbox, describe_exit
+from supervisor.signals import STOP_SIGNALS, describe_exit
 from supervisor.systemd import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,9 @@ TICK = 1.0
 # After an engine core dies, API servers keep answering (503) this long before the group goes down, so
 # clients get a clear answer rather than a refused connection.
 ENGINE_FAILURE_GRACE = 2.0
+_TICK = "tick"
+_ENGINE_GRACE = "engine-grace"
+_RESTART = "restart"  # timer key (_RESTART, index): start the replacement of a dead API server
 
 
 class Outcome(enum.Enum):
@@ -33,80 +36,75 @@ class Outcome(enum.Enum):
 
 
 class Watchdog:
-    def __init__(self, group: ProcessGroup, inbox: SignalInbox, notifier: SystemdNotifier):
+    def __init__(self, group, timers: Timers, notifier: SystemdNotifier):
+        """`group`: a supervisor.group.ProcessGroup, or anything with its verbs (the tests use a fake)."""
         self.group = group
         self.config = group.config
-        self.inbox = inbox
+        self.timers = timers
         self.notifier = notifier
         self.budget = RestartBudget(self.config.max_restarts, self.config.restart_window)
-        self.restart_due: dict[int, float] = {}  # index -> when to start its replacement
-        self.to_replace: deque[int] = deque()  # SIGHUP: indices still to roll
-        self.replacing: dict[int, int] = {}  # new server index -> the old index it replaces
+        self.restarts_due: dict[int, int | None] = {}  # index of a dead API server -> the index it replaced
+        self.to_roll: deque[int] = deque()  # SIGHUP: indices still to replace
+        self.rolling = False
+        self.engine_failed = False  # the group goes down when the grace ends; nothing is restarted meanwhile
+        # systemd's watchdog wants a ping every half period: tick at least that often.
+        self.tick = min(TICK, notifier.watchdog_interval or TICK)
+        timers.set(_TICK, self.tick)
 
-    def run(self) -> Outcome:
+    def run(self, events: EventSource) -> Outcome:
         while True:
-            outcome = self._step()
-            if outcome is not None:
-                return outcome
-
-    def _step(self) -> Outcome | None:
-        group = self.group
-        children = group.children()
-        starting = {c.ready_conn: c for c in group.api_servers.values() if not c.ready and c.alive}
-        waitables = [c.process.sentinel for c in children if c.alive] + list(starting) + [self.inbox]
-        timeout = TICK
-        if self.restart_due:
-            timeout = max(0.0, min(timeout, min(self.restart_due.values()) - time.monotonic()))
-        for ready in wait(waitables, timeout=timeout):
-            if ready is self.inbox:
-                outcome = self._on_signals(self.inbox.take())
+            for event in events.wait(self.group.children()):
+                outcome = self.handle(event)
                 if outcome is not None:
                     return outcome
-            elif ready in starting:
-                self._on_ready(starting[ready])
-        outcome = self._reap()
-        if outcome is not None:
-            return outcome
-        self._check_heartbeats()
-        self._start_due_restarts()
-        self._check_start_deadlines()
-        if not self.restart_due and all(c.alive for c in group.api_servers.values()):
-            self.notifier.watchdog_if_due()
+
+    def handle(self, event: Event) -> Outcome | None:
+        if isinstance(event, SignalArrived):
+            return self._on_signal(event.signum)
+        if isinstance(event, ChildReady):
+            self._on_ready(event.child)
+        elif isinstance(event, ChildExited):
+            return self._on_exit(event.child)
+        elif isinstance(event, TimerFired):
+            return self._on_timer(event.key)
         return None
 
     # Signals.
-    def _on_signals(self, signals: list[int]) -> Outcome | None:
-        for signum in signals:
-            if signum in STOP_SIGNALS:
-                log.info("%s: stopping the group gracefully", signal.Signals(signum).name)
-                return Outcome.STOP
-            if signum == signal.SIGHUP:
-                self._begin_rolling_restart()
-            elif signum == signal.SIGTTIN:
-                index = self.group.free_api_index()
-                log.info("SIGTTIN: adding ApiServer_%d", index)
-                self.group.spawn_api_server(index)
-            elif signum == signal.SIGTTOU:
-                self._remove_one_server()
+    def _on_signal(self, signum: int) -> Outcome | None:
+        if signum in STOP_SIGNALS:
+            if self.engine_failed:
+                return Outcome.FAIL  # going down already, and not cleanly: an engine died
+            log.info("%s: stopping the group gracefully", signal.Signals(signum).name)
+            return Outcome.STOP
+        if self.engine_failed:
+            return None
+        if signum == signal.SIGHUP:
+            self._begin_rolling_restart()
+        elif signum == signal.SIGTTIN:
+            index = self.group.free_api_index(set(self.restarts_due))
+            log.info("SIGTTIN: adding ApiServer_%d", index)
+            self.group.spawn_api_server(index)
+        elif signum == signal.SIGTTOU:
+            self._remove_one_server()
         return None
 
     def _begin_rolling_restart(self) -> None:
-        if self.to_replace or self.replacing:
+        if self.rolling:
             log.info("SIGHUP: a rolling restart is already under way")
             return
         log.info("SIGHUP: rolling restart of %d API server(s)", len(self.group.api_servers))
         self.notifier.reloading()
-        self.to_replace.extend(sorted(self.group.api_servers))
+        self.rolling = True
+        self.to_roll.extend(sorted(self.group.api_servers))
         self._replace_next()
 
     def _replace_next(self) -> None:
-        while self.to_replace:
-            old = self.to_replace.popleft()
+        while self.to_roll:
+            old = self.to_roll.popleft()
             if old in self.group.api_servers:
-                new = self.group.free_api_index()
-                self.group.spawn_api_server(new)
-                self.replacing[new] = old
+                self.group.replace(old, set(self.restarts_due))
                 return
+        self.rolling = False
         self.notifier.ready(self._status())
         log.info("rolling restart done")
 
@@ -116,93 +114,96 @@ class Watchdog:
             return
         index = max(self.group.api_servers)
         log.info("SIGTTOU: draining ApiServer_%d", index)
-        self._drain(index)
-
-    def _drain(self, index: int) -> None:
-        child = self.group.api_servers.pop(index)
-        child.stop()
-        self.group.draining.append(child)
+        self.group.drain(index)
 
     def _on_ready(self, child: Child) -> None:
-        try:
-            child.ready_conn.recv()
-        except (EOFError, OSError):
-            return  # died before it was ready: _reap handles it
-        child.ready = True
+        self.group.mark_ready(child)
         log.info("%s ready", child.name)
-        old = self.replacing.pop(child.index, None)
-        if old is not None and old in self.group.api_servers:
-            self._drain(old)
+        if child.replaces is not None:
+            if child.replaces in self.group.api_servers:
+                self.group.drain(child.replaces)
             self._replace_next()
 
     # Deaths.
-    def _reap(self) -> Outcome | None:
-        group = self.group
-        for child in list(group.draining):
-            if not child.alive:
-                group.draining.remove(child)
-                group.state.release(child.index)
-                child.close()
-                log.info("%s drained and stopped (%s)", child.name, describe_exit(child.process.exitcode))
-        for child in group.engines:
-            if not child.alive and not child.stopping:
-                return self._on_engine_death(child)
-        for index, child in list(group.api_servers.items()):
-            if child.alive:
-                continue
-            del group.api_servers[index]
-            group.state.release(index)
-            child.close()
-            if self.replacing.pop(index, None) is not None:
-                log.error("%s, a replacement, died (%s)", child.name, describe_exit(child.process.exitcode))
-            else:
-                log.error("%s died: %s", child.name, describe_exit(child.process.exitcode))
-            delay = self.budget.next_delay()
-            if delay is None:
-                log.error(
-                    "more than %d API server restarts within %.0f s: taking the group down",
-                    self.config.max_restarts, self.config.restart_window,
-                )
-                return Outcome.FAIL
-            log.info("restarting ApiServer_%d in %.2f s", index, delay)
-            self.restart_due[index] = time.monotonic() + delay
+    def _on_exit(self, child: Child) -> Outcome | None:
+        self.group.reap(child)
+        how = describe_exit(child.exitcode, child.kill_reason)
+        if child.kind == "engine":
+            return self._on_engine_exit(child, how)
+        if child.stopping:
+            log.info("%s drained and stopped (%s)", child.name, how)
+            return None
+        if child.replaces is not None:
+            log.error("%s, a replacement, died (%s)", child.name, how)
+        else:
+            log.error("%s died: %s", child.name, how)
+        if self.engine_failed:
+            return None
+        delay = self.budget.next_delay(self.timers.clock())
+        if delay is None:
+            log.error(
+                "more than %d API server restarts within %.0f s: taking the group down",
+                self.config.max_restarts, self.config.restart_window,
+            )
+            return Outcome.FAIL
+        log.info("restarting ApiServer_%d in %.2f s", child.index, delay)
+        # A replacement that died is restarted as a replacement, so the rolling restart goes on when it is ready.
+        self.restarts_due[child.index] = child.replaces
+        self.timers.set((_RESTART, child.index), delay)
         return None
 
-    def _on_engine_death(self, child: Child) -> Outcome:
-        log.error("%s died: %s", child.name, describe_exit(child.process.exitcode))
-        self.group.state.mark_engine_dead(child.index)
+    def _on_engine_exit(self, child: Child, how: str) -> Outcome | None:
+        if child.stopping:
+            return None
+        log.error("%s died: %s", child.name, how)
+        self.group.mark_engine_dead(child.index)
         self.notifier.status(f"{child.name} died")
         if self.config.on_engine_failure == "restart":
             log.warning("--on-engine-failure restart: restarting the whole group, the port stays open")
             return Outcome.RESTART_GROUP
-        time.sleep(ENGINE_FAILURE_GRACE)
-        log.error("an engine core is gone: taking the group down")
-        return Outcome.FAIL
+        if not self.engine_failed:
+            self.engine_failed = True
+            self.timers.set(_ENGINE_GRACE, ENGINE_FAILURE_GRACE)
+        return None
 
-    def _start_due_restarts(self) -> None:
-        now = time.monotonic()
-        for index, due in list(self.restart_due.items()):
-            if now >= due:
-                del self.restart_due[index]
-                self.group.spawn_api_server(index)
+    # Timers.
+    def _on_timer(self, key) -> Outcome | None:
+        if key == _TICK:
+            self._check_heartbeats()
+            self._check_start_deadlines()
+            if not self.engine_failed and not self.restarts_due and all(c.alive for c in self.group.api_servers.values()):
+                self.notifier.watchdog_if_due()
+            self.timers.set(_TICK, self.tick)
+        elif key == _ENGINE_GRACE:
+            log.error("an engine core is gone: taking the group down")
+            return Outcome.FAIL
+        elif isinstance(key, tuple) and key[0] == _RESTART:
+            index = key[1]
+            replaces = self.restarts_due.pop(index)
+            if not self.engine_failed:
+                self.group.spawn_api_server(index, replaces)
+        return None
 
     # Liveness.
     def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        for child in self.group.api_servers.values():
-            if not child.ready or not child.alive:
+        now = self.timers.clock()
+        for child in list(self.group.api_servers.values()):
+            if not child.ready or not child.alive or child.kill_reason is not None:
                 continue
-            silent = now - self.group.state.heartbeat(child.index)
+            silent = self.group.silent_for(child.index, now)
             if silent > self.config.heartbeat_timeout:
                 log.error("%s has not beaten for %.1f s: killing and replacing it", child.name, silent)
-                child.signal(signal.SIGKILL)  # not stop(): its death must lead to a restart
+                self.group.kill(child, f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
 
     def _check_start_deadlines(self) -> None:
-        now = time.monotonic()
-        for child in self.group.api_servers.values():
-            if not child.ready and child.alive and now - child.started_at > self.config.api_server_ready_timeout:
+        now = self.timers.clock()
+        limit = self.config.api_server_ready_timeout
+        for child in list(self.group.api_servers.values()):
+            if child.ready or not child.alive or child.kill_reason is not None:
+                continue
+            if now - child.started_at > limit:
                 log.error("%s not ready after %.0f s: killing it", child.name, now - child.started_at)
-                child.signal(signal.SIGKILL)
+                self.group.kill(child, f"not ready after {limit:.0f} s (--api-server-ready-timeout)")
 
     def _status(self) -> str:
         return f"serving with {len(self.group.api_servers)} API server(s)"

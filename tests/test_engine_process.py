@@ -10,10 +10,11 @@ import zmq
 
 from ipc.codec import decode, encode
 from ipc.config import ServeConfig
+from ipc.launch import EngineLaunch
 from ipc.messages import AbortRequests, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
 from ipc.model_info import EngineReady
 from ipc.sampling import SamplingParams
-from ipc.sockets import api_server_identity, connect_dealer, engine_address
+from ipc.sockets import SUPERVISOR_IDENTITY, api_server_identity, connect_dealer, engine_address
 
 
 def _recv(sock, timeout_s=60.0):
@@ -32,7 +33,7 @@ def engine(tmp_path_factory):
     life_r, life_w = ctx.Pipe(duplex=False)
     from enginecore.process import run_engine_core
 
-    proc = ctx.Process(target=run_engine_core, args=(config, 0, ready_w, life_r))
+    proc = ctx.Process(target=run_engine_core, args=(EngineLaunch(config, 0, ready_w, life_r),))
     proc.start()
     ready_w.close()
     life_r.close()
@@ -45,6 +46,29 @@ def engine(tmp_path_factory):
         proc.kill()
     zctx.term()
     life_w.close()
+
+
+def test_abort_client_drops_every_request_of_a_gone_api_server(engine):
+    # What the supervisor asks when an API server is gone: its requests stop, another server's run on.
+    proc, info, zctx, address = engine
+    gone = connect_dealer(zctx, address, api_server_identity(7))
+    other = connect_dealer(zctx, address, api_server_identity(8))
+    supervisor = connect_dealer(zctx, address, SUPERVISOR_IDENTITY)
+    try:
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            gone.send_multipart(encode(EngineRequest(f"g{i}", [1, 2, 3, 4, i + 5], long)))
+        other.send_multipart(encode(EngineRequest("o", [7, 8, 9], long)))
+        assert isinstance(_recv(other), EngineOutputs)  # everything is queued or running now
+        supervisor.send_multipart(encode(UtilityCall(1, "abort_client", ["api-7"])))
+        assert _recv(supervisor) == UtilityResult(1, 3)
+        supervisor.send_multipart(encode(UtilityCall(2, "stats")))
+        stats = _recv(supervisor).result
+        assert stats["num_requests"] == 1 and stats["num_running"] + stats["num_waiting"] == 1
+        other.send_multipart(encode(AbortRequests(["o"])))
+    finally:
+        for sock in (gone, other, supervisor):
+            sock.close(linger=0)
 
 
 def test_ready_ping_generate_abort_and_sigterm(engine):

@@ -1,11 +1,11 @@
 """Entry point of a gRPC API server process (`supervise --grpc`), started by the supervisor with `spawn`.
 
-CONTRACT: the HTTP API server's (apiserver/process.py), argument for argument, and the same duties: process
-title `supervise: ApiServer_<index>`, its shared-memory slot, a heartbeat from the event loop, READY once it
-serves, exit code 3 when an engine stops answering, SIGTERM drains (running calls finish, up to
---shutdown-timeout), a second SIGTERM stops at once.
+CONTRACT: the HTTP API server's (apiserver/process.py), the same one argument (ipc.launch.ApiServerLaunch) and
+the same duties: process title `supervise: ApiServer_<index>`, its shared-memory slot, a heartbeat from the
+event loop, READY once it serves, exit code 3 when an engine stops answering, SIGTERM drains (running calls
+finish, up to --shutdown-timeout), a second SIGTERM stops at once.
 
-One difference: `listen_socket` is the supervisor's reservation of the port, bound but never listening
+One difference: `launch.listen_socket` is the supervisor's reservation of the port, bound but never listening
 (supervisor/grpc_mode.py). grpcio cannot adopt a socket, so this server binds its own on the same address with
 SO_REUSEPORT and the kernel spreads new connections over the group's servers. During a rolling restart the
 replacement binds and serves before its predecessor drains; a draining server stops listening and sends its
@@ -32,10 +32,9 @@ from apiserver.grpc.servicer import VllmEngineService
 from apiserver.metrics import Metrics
 from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT
 from apiserver.server import StopSignals, beat_forever
-from ipc.config import ServeConfig
+from ipc.launch import ApiServerLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
-from ipc.model_info import ModelInfo
 from ipc.shared_state import GroupState
 
 log = logging.getLogger("apiserver")
@@ -50,32 +49,23 @@ SERVER_OPTIONS = (
 )
 
 
-def run_grpc_api_server(
-    config: ServeConfig,
-    index: int,
-    listen_socket,
-    model: ModelInfo,
-    engine_addresses: list[str],
-    shared_state_name: str,
-    group_lock,
-    lifeline,
-    ready,
-) -> None:
+def run_grpc_api_server(launch: ApiServerLaunch) -> None:
+    config, index, model = launch.config, launch.index, launch.model
     setproctitle(f"supervise: ApiServer_{index}")
     setup_logging(f"ApiServer_{index}", config.log_level)
-    die_with_parent(lifeline)
+    die_with_parent(launch.lifeline)
     stop = StopSignals()
-    listen_socket.close()  # the supervisor's reservation stays with the supervisor
-    group = GroupState.attach(shared_state_name)
+    launch.listen_socket.close()  # the supervisor's reservation stays with the supervisor
+    group = GroupState.attach(launch.shared_state_name)
     group.claim(index, os.getpid())
-    engine = EngineClient(engine_addresses, index, on_in_flight=lambda n: group.set_in_flight(index, n))
+    engine = EngineClient(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n))
     ctx = ServerContext(
         config=config, index=index, model=model, renderer=None, engine=engine, group=group,
-        admission=AdmissionControl(group, group_lock, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
+        admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
         metrics=Metrics(config.runtime_dir, index),
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        exit_code = runner.run(_serve(ctx, ready, stop))
+        exit_code = runner.run(_serve(ctx, launch.ready, stop))
     group.close()
     log.info("stopped")
     if exit_code:

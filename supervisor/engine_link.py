@@ -1,0 +1,79 @@
+"""The supervisor's own line to the engine cores: one DEALER per engine, identity `supervisor`.
+
+It is used for one thing: when an API server is gone (it died, or the watchdog killed it, or it drained and
+exited), every engine aborts the requests of that server's identity (UTILITY `abort_client`), so no engine
+decodes on for a reader that no longer exists. Calls are sent without waiting; the answers are read whenever
+the supervisor's event source wakes (these sockets are among what it waits on) and only logged.
+
+A replacement at the same index cannot lose its own requests to this abort: the abort is queued before the
+replacement is even started, and the replacement sends no request before the engine has answered its ping,
+which the engine can only do while draining its socket, after the abort that arrived first.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import zmq
+
+from ipc.codec import MalformedMessage, decode, encode
+from ipc.messages import EngineDead, UtilityCall, UtilityResult
+from ipc.sockets import SUPERVISOR_IDENTITY, connect_dealer
+
+log = logging.getLogger(__name__)
+
+
+class EngineLink:
+    def __init__(self, engine_addresses: list[str]):
+        self._zmq = zmq.Context(io_threads=1)
+        self._sockets = [connect_dealer(self._zmq, address, SUPERVISOR_IDENTITY) for address in engine_addresses]
+        self._call_ids = itertools.count(1)
+        self._calls: dict[int, tuple[int, str]] = {}  # call id -> (engine rank, the identity whose work it aborts)
+
+    def filenos(self) -> list[int]:
+        return [sock.getsockopt(zmq.FD) for sock in self._sockets]
+
+    def abort_client(self, identity: bytes) -> None:
+        """Ask every engine to abort the requests of `identity` (api-<index>); the answers are logged later."""
+        name = identity.decode()
+        for rank, sock in enumerate(self._sockets):
+            call_id = next(self._call_ids)
+            try:
+                sock.send_multipart(encode(UtilityCall(call_id, "abort_client", [name])), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("could not ask EngineCore_DP%d to abort the requests of %s: %s", rank, name, exc)
+                continue
+            self._calls[call_id] = (rank, name)
+        self.take_answers()  # a send can swallow the FD's edge: read now so the next answer raises it again
+
+    def take_answers(self) -> None:
+        for rank, sock in enumerate(self._sockets):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    record = decode(frames)
+                except MalformedMessage as exc:
+                    log.warning("ignoring a malformed message from EngineCore_DP%d: %s", rank, exc)
+                    continue
+                if isinstance(record, UtilityResult):
+                    self._on_result(record)
+                elif not isinstance(record, EngineDead):  # a dead engine's sentinel tells us that too
+                    log.warning("ignoring a %s from EngineCore_DP%d", type(record).__name__, rank)
+
+    def _on_result(self, result: UtilityResult) -> None:
+        call = self._calls.pop(result.call_id, None)
+        if call is None:
+            return
+        rank, name = call
+        if result.error is not None:
+            log.warning("EngineCore_DP%d could not abort the requests of %s: %s", rank, name, result.error)
+        else:
+            log.info("EngineCore_DP%d aborted %s request(s) of %s, which is gone", rank, result.result, name)
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._zmq.term()
