@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 
 import orjson
 from starlette.requests import Request
@@ -82,7 +83,11 @@ class DevRoutes:
         config = dataclasses.asdict(ctx.config)
         config["api_key"] = "<set>" if config.get("api_key") else None
         return json_response({
-            "api_server": {"index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight},
+            "api_server": {
+                "index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight,
+                # The top-level packages this process has imported: what a test checks the import graph with.
+                "packages": sorted({name.partition(".")[0] for name in sys.modules}),
+            },
             "config": config,
             "model": dataclasses.asdict(ctx.model),
             "engines": [s if not isinstance(s, BaseException) else {"error": str(s)} for s in stats],

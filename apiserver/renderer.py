@@ -1,7 +1,7 @@
 """From a request to prompt token ids: the model's chat template, then the tokenizer.
 
-The tokenizer is loaded with PreTrainedTokenizerFast, which does not import torch (AutoTokenizer does). The
-hot paths (encode, decode, detokenize) use its Rust `tokenizers.Tokenizer` directly, skipping the Python layer.
+Both without transformers (apiserver.hf_tokenizer, apiserver.chat_template say why and how). The hot paths
+(encode, decode, detokenize) use the Rust `tokenizers.Tokenizer` directly.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from collections import OrderedDict
 
 import jinja2
 
+from apiserver.chat_template import render_chat
 from apiserver.errors import InvalidRequest
+from apiserver.hf_tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -19,24 +21,22 @@ log = logging.getLogger(__name__)
 _RESERVED_TEMPLATE_ARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
 })
 # Bounded in entries and in piece length, so a stream of huge unique prompts cannot grow the RSS.
 _SEGMENT_CACHE_SIZE = 512
 _SEGMENT_MAX_CHARS = 8192
 
 
-def load_tokenizer(model_dir: str):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+def load_tokenizer(model_dir: str) -> HFTokenizer:
+    return HFTokenizer(model_dir)
 
 
 class Renderer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: HFTokenizer):
         self.hf_tokenizer = tokenizer
-        self.tokenizer = tokenizer.backend_tokenizer  # tokenizers.Tokenizer: Rust, no Python per-token work
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.tokenizer = tokenizer.backend  # tokenizers.Tokenizer: Rust, no Python per-token work
+        self.chat_template = tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer)
 
     def render_chat(
@@ -50,7 +50,7 @@ class Renderer:
         return self._segments.encode(self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs))
 
     def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None) -> str:
-        if not self.has_chat_template:
+        if not self.chat_template:
             raise InvalidRequest("This model has no chat template: use /v1/completions.")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest(
@@ -62,13 +62,9 @@ class Renderer:
             name = sorted(reserved)[0]
             raise InvalidRequest(f"`chat_template_kwargs` may not set `{name}`.", param="chat_template_kwargs")
         try:
-            return self.hf_tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
+            # The request's kwargs override the special tokens' variables, as in transformers.
+            variables = {**self.hf_tokenizer.special_tokens, **kwargs}
+            return render_chat(self.chat_template, messages, variables, add_generation_prompt, continue_final_message)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             # The template refused the conversation (roles out of order, an empty final message, ...).
             raise InvalidRequest(f"The chat template cannot render these messages: {exc}", param="messages") from None
@@ -79,7 +75,7 @@ class Renderer:
         return self._segments.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class _SegmentCache:
@@ -88,13 +84,15 @@ class _SegmentCache:
     The tokenizer itself first splits text at its added tokens (`<|im_start|>`...) and encodes the pieces in
     between independently, so the same split here gives the same ids, and the pieces that repeat in every
     chat prompt (the default system prompt, role names) are tokenized once. Used only when every added token
-    is matched literally (no lstrip/rstrip/single_word/normalized rules), where the split is exact.
+    is matched literally (no lstrip/rstrip/single_word/normalized rules, special tokens not split), where the
+    split is exact.
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         added = tokenizer.get_added_tokens_decoder()
-        self._literal = all(
+        # With split_special_tokens the special ones are encoded as text: no literal split then.
+        self._literal = not tokenizer.encode_special_tokens and all(
             not (t.lstrip or t.rstrip or t.single_word or (t.normalized and not t.special)) for t in added.values()
         )
         self._added_ids = {t.content: i for i, t in added.items()}

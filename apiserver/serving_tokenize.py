@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from apiserver.errors import InvalidRequest
+from apiserver.hf_tokenizer import DEFAULT_TEMPLATE
 from apiserver.prompt_offload import encode, render_chat
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
@@ -53,15 +54,18 @@ class TokenizeServing(GenerationServing):
 
     async def tokenizer_info(self, request: Request) -> Response:
         hf = self.ctx.renderer.hf_tokenizer
+        special = hf.special_tokens
+        templates = hf.chat_templates
         return _json({
-            "tokenizer_class": type(hf).__name__,
+            "tokenizer_class": hf.tokenizer_class,
             "vocab_size": self.ctx.model.vocab_size,
             "model_max_length": self.ctx.model.max_model_len,
-            "bos_token": hf.bos_token,
-            "eos_token": hf.eos_token,
-            "pad_token": hf.pad_token,
-            "unk_token": hf.unk_token,
+            "bos_token": special.get("bos_token"),
+            "eos_token": special.get("eos_token"),
+            "pad_token": special.get("pad_token"),
+            "unk_token": special.get("unk_token"),
             "eos_token_ids": list(self.ctx.model.eos_token_ids),
-            "added_tokens": {str(i): t.content for i, t in hf.added_tokens_decoder.items()},
-            "chat_template": getattr(hf, "chat_template", None),
+            "added_tokens": {str(i): t.content for i, t in sorted(hf.added_tokens_decoder.items())},
+            # One template as its text, several by name (as transformers' `chat_template` attribute holds them).
+            "chat_template": templates.get(DEFAULT_TEMPLATE) if list(templates) == [DEFAULT_TEMPLATE] else templates or None,
         })

@@ -1,14 +1,17 @@
-"""Why the CPU engine stores Linear weights column-major, and what bounds a float32 decode step on this machine.
+"""Where a CPU decode step goes on this machine, and which path the engine picks here and why.
 
-Three tables, each side by side in one run:
-1. memory read bandwidth (a sum over a 512 MB tensor) and what it allows one float32 stream, which reads every
-   weight once per token (a rough ceiling: the shared L3 cache may hold part of the weights);
-2. every matrix product of one SmolLM2-135M decoder layer at decode batch sizes, weights row-major (as
-   nn.Linear stores them) against column-major (as enginecore/cpu_weights.py lays them out);
-3. the engine core's decode throughput with each layout, interleaved --rounds times on the embedded model.
+Each table side by side in one run:
+1. the CPU (model, the vector and matrix extensions torch and oneDNN can use) and the engine's choices on it:
+   the float32 weight layout (timed at start-up, the engine's own function) and the default quantization;
+2. memory read bandwidth and the single-stream ceiling it sets for float32 and int8 weights;
+3. one SmolLM2-135M layer's products and the LM head at decode batch sizes, per kernel: float32 row- and
+   column-major, bf16 and int8 W8A8 (`--quantization bf16|int8`), and torch's int8 weight-only and int4
+   (GGUF Q4_1-sized groups of 32) kernels, which the engine does not offer because of these figures;
+4. the engine's decode throughput per path (transformers' forward, the lean forward in float32, bf16, int8),
+   interleaved --rounds times, with whether each path's greedy tokens equal float32's.
 
     .venv/bin/python bench/cpu_layout.py
-    .venv/bin/python bench/cpu_layout.py --rounds 6 --streams 32 --output-len 32
+    .venv/bin/python bench/cpu_layout.py --rounds 3 --streams 1 8 32 --output-len 32
 """
 from __future__ import annotations
 
@@ -22,27 +25,47 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
+from enginecore.cpu_linear import Bf16Linear, Float32Linear, Int8Linear, native_bf16  # noqa: E402
+from enginecore.cpu_setup import auto_choice, float32_layout, product_shapes  # noqa: E402
+from enginecore.cpu_threads import set_cpu_threads  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
 from ipc.messages import EngineRequest  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
 
-# (name, in, out) of one SmolLM2-135M decoder layer's products.
-LAYER_PRODUCTS = [("q", 576, 576), ("k", 576, 192), ("v", 576, 192), ("o", 576, 576),
-                  ("gate", 576, 1536), ("up", 576, 1536), ("down", 1536, 576)]
+FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--rounds", type=int, default=4, help="interleaved engine runs per layout")
-    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved engine runs per path")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--slow-kernels", action="store_true",
+                   help="also time torch's int8 weight-only and int4 kernels at every batch size (slow)")
     return p.parse_args()
 
 
-def best_seconds(fn, repeat: int = 5, number: int = 20) -> float:
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = [f for f in FLAGS if f in flags]
+    blas = next((line.strip() for line in torch.__config__.show().splitlines() if "Math Kernel" in line), "BLAS ?")
+    return (f"{model}, {os.cpu_count()} cores; {' '.join(have) or 'no AVX2'}; torch {torch.__version__} "
+            f"(capability {torch.backends.cpu.get_cpu_capability()}), {blas}")
+
+
+def best_seconds(fn, repeat: int = 5, number: int = 10) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -53,69 +76,90 @@ def best_seconds(fn, repeat: int = 5, number: int = 20) -> float:
     return best
 
 
-def memory_bandwidth() -> float:
-    """Bytes per second, the best of a few sums over 512 MB of float32."""
+def bandwidth_and_ceilings(model: torch.nn.Module) -> None:
     data = torch.ones(128 * 2**20)
-    return data.numel() * 4 / best_seconds(data.sum, repeat=3, number=3)
-
-
-def single_stream_ceiling(model: torch.nn.Module, bandwidth: float) -> None:
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = data.numel() * 4 / best_seconds(data.sum, repeat=3, number=3)
+    params = sum(p.numel() for p in model.parameters())
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s (best sum over 512 MB, {torch.get_num_threads()} "
-          f"threads); the model's weights: {weight_bytes / 1e6:.0f} MB, so one stream reading them all per token "
-          f"tops out near {bandwidth / weight_bytes:.0f} tokens/s")
+          f"threads); {params / 1e6:.0f}M weights read once per token tops one stream out near "
+          f"{bandwidth / (4 * params):.0f} tok/s in float32, {bandwidth / params:.0f} in int8")
 
 
-def layer_products(batch_sizes: list[int]) -> None:
-    print(f"\n{'rows':>5}{'product':>9}{'row-major us':>14}{'col-major us':>14}{'ratio':>8}")
+def _kernels(weight: torch.Tensor, rows: int, slow: bool) -> dict:
+    kernels = {"f32 row": Float32Linear(weight, False), "f32 col": Float32Linear(weight, True),
+               "bf16": Bf16Linear(weight), "int8 W8A8": Int8Linear(weight)}
+    if slow or rows == 1:
+        scale = weight.abs().amax(1) / 127
+        q = (weight / scale[:, None]).round().to(torch.int8)
+        kernels["torch int8 w-only"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
+        try:
+            codes = torch.randint(0, 16, weight.shape, dtype=torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            scales = torch.rand(weight.shape[1] // 32, weight.shape[0], 2)
+            kernels["torch int4 g32"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
+        except (RuntimeError, AttributeError):
+            pass
+    return kernels
+
+
+def products(model: torch.nn.Module, batch_sizes: list[int], slow: bool) -> None:
+    shapes = product_shapes(model)
+    print(f"\none layer's products {shapes[:-1]} + the LM head {shapes[-1]}, (in, out); microseconds, best of 5")
     for rows in batch_sizes:
-        totals = [0.0, 0.0]
-        for name, fan_in, fan_out in LAYER_PRODUCTS:
+        totals: dict[str, list[float]] = {}
+        for i, (fan_in, fan_out) in enumerate(shapes):
+            weight = torch.randn(fan_out, fan_in) * 0.05
             x = torch.randn(rows, fan_in)
-            weight = torch.randn(fan_out, fan_in)
-            column_major = weight.t().contiguous().t()
-            times = [best_seconds(lambda w=w: torch.nn.functional.linear(x, w)) for w in (weight, column_major)]
-            totals = [t + s for t, s in zip(totals, times)]
-            print(f"{rows:>5}{name:>9}{times[0] * 1e6:>14.0f}{times[1] * 1e6:>14.0f}{times[0] / times[1]:>8.2f}")
-        print(f"{rows:>5}{'layer':>9}{totals[0] * 1e6:>14.0f}{totals[1] * 1e6:>14.0f}{totals[0] / totals[1]:>8.2f}")
+            for name, kernel in _kernels(weight, rows, slow).items():
+                totals.setdefault(name, [0.0, 0.0])[i == len(shapes) - 1] += best_seconds(lambda k=kernel: k(x))
+        cells = "  ".join(f"{name} {layer * 1e6:.0f} + {head * 1e6:.0f}" for name, (layer, head) in totals.items())
+        print(f"{rows:>3} rows: {cells}")
 
 
-def set_layout(model: torch.nn.Module, column_major: bool) -> None:
-    """Re-lay the engine's Linear weights (the tied LM head stays row-major either way, as in the engine)."""
-    tied = model.get_input_embeddings().weight.data_ptr()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() != tied:
-            w = module.weight.data
-            module.weight.data = w.t().contiguous().t() if column_major else w.contiguous()
-
-
-def engine_decode(loaded, rounds: int, streams: int, output_len: int) -> None:
-    core = EngineCore(ServeConfig(device="cpu", dtype="float32", max_num_seqs=max(streams, 1),
-                                  max_model_len=256, enable_prefix_caching=False), loaded=loaded)
-    prompts = torch.randint(100, 32000, (streams, 32), generator=torch.Generator().manual_seed(0)).tolist()
+def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) -> None:
+    cores = {q: EngineCore(ServeConfig(device="cpu", dtype="float32", quantization=q, max_num_seqs=64,
+                                       max_model_len=256, enable_prefix_caching=False), loaded=loaded)
+             for q in ("none", "bf16", "int8")}
+    lean = cores["none"].runner.cpu_model
+    paths = {"transformers f32": ("none", None), "lean f32": ("none", lean), "lean bf16": ("bf16", None),
+             "lean int8": ("int8", None)}
+    gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    core.generate([EngineRequest("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))])
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    outputs: dict[bool, dict] = {}
-    for r in range(rounds):
-        for column_major in (False, True):
-            set_layout(loaded.model, column_major)
-            started = time.perf_counter()
-            out = core.generate([EngineRequest(f"{r}-{column_major}-{i}", p, params) for i, p in enumerate(prompts)])
-            rates[column_major].append(streams * output_len / (time.perf_counter() - started))
-            outputs[column_major] = sorted(tuple(t) for t in out.values())
-    row, col = statistics.median(rates[False]), statistics.median(rates[True])
-    print(f"\nengine core, {streams} streams x ({len(prompts[0])} + {output_len}) tokens, median of {rounds} "
-          f"interleaved rounds: row-major {row:.1f} out tok/s, column-major {col:.1f} ({col / row:.2f}x); "
-          f"same greedy tokens: {outputs[False] == outputs[True]}")
+    print(f"\nengine decode, out tok/s (prompts of 32 tokens + {output_len} out, median of {rounds} interleaved "
+          f"rounds); 'same' = greedy tokens equal to the transformers float32 path")
+    for streams in streams_list:
+        prompts = torch.randint(100, 30000, (streams, 32), generator=gen).tolist()
+        rates: dict[str, list[float]] = {p: [] for p in paths}
+        outputs: dict[str, list] = {}
+        for r in range(rounds):
+            for path, (quantization, cpu_model) in paths.items():
+                core = cores[quantization]
+                if quantization == "none":
+                    core.runner.cpu_model = cpu_model
+                started = time.perf_counter()
+                out = core.generate([EngineRequest(f"{r}-{i}", p, params) for i, p in enumerate(prompts)])
+                rates[path].append(streams * output_len / (time.perf_counter() - started))
+                outputs[path] = [out[(f"{r}-{i}", 0)] for i in range(streams)]
+        cores["none"].runner.cpu_model = lean
+        cells = "  ".join(f"{p} {statistics.median(v):.1f} ({'same' if outputs[p] == outputs['transformers f32'] else 'differs'})"
+                          for p, v in rates.items())
+        print(f"{streams:>3} streams: {cells}")
 
 
 def main() -> None:
     args = parse_args()
     loaded = load_model(None, "cpu", "float32")
-    single_stream_ceiling(loaded.model, memory_bandwidth())
-    layer_products(args.batch_sizes)
-    engine_decode(loaded, args.rounds, args.streams, args.output_len)
+    print(cpu_description())
+    print(f"threads: {set_cpu_threads()}, OpenMP waits {os.environ.get('OMP_WAIT_POLICY')} (the engine's defaults; "
+          f"OMP_NUM_THREADS and OMP_WAIT_POLICY override them)")
+    layout = float32_layout(loaded.model)
+    print(f"float32 layout chosen: {'column' if layout['column_major'] else 'row'}-major ({layout['why']})")
+    mode, why = auto_choice(loaded.model, layout)
+    print(f"--quantization auto chooses {mode} for the embedded GGUF here (native bfloat16: {native_bf16()}; "
+          f"bf16 first where native and 10% faster than float32, else int8): {why}")
+    bandwidth_and_ceilings(loaded.model)
+    products(loaded.model, args.batch_sizes, args.slow_kernels)
+    engine_paths(loaded, args.streams, args.rounds, args.output_len)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The benchmarks on a machine with an NVIDIA GPU (one H200 here), in one go, under 8 minutes:
 #   1. install the project's missing dependencies from the wheels in .whl (made by bench/device_prepare.sh);
-#   2. make a SmolLM2-135M model with random weights in bfloat16 from .device/smollm2 (config + real tokenizer);
-#   3. tests/test_engine_cuda.py, then bench/engine.py: the engine core against plain transformers, 256 requests
-#      of 128 + 128 tokens;
-#   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
-#   5. bench/serve.py: end to end, `supervise --model <that model>` under 256 concurrent streams.
-# Every figure and log goes to $OUT (flat, at most 8 files); each step has its own timeout and a failed
+#   2. tests/test_engine_cuda.py, then bench/engine.py: the engine core against plain transformers, 256 requests
+#      of 128 + 128 tokens, on three shapes with random weights built on the GPU (--load-format dummy):
+#      SmolLM2-135M (.device/smollm2: config + real tokenizer), Llama-3.2-1B and Llama-3.1-8B (bench/models:
+#      their published config.json, a synthetic tokenizer made for their vocabulary);
+#   3. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
+#   4. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams.
+# The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
+# Every figure and log goes to $OUT (flat, at most 12 files); each step has its own timeout and a failed
 # step does not stop the next; a summary table ends the output.
 #
 #   bash bench/device.sh            # on the GPU machine, from the repository root, with .whl and .device carried
@@ -18,9 +20,12 @@ CPU=0
 [ "${1:-}" = "--cpu" ] && CPU=1
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-$(date +%Y%m%d-%H%M%S)}
-BUDGET_S=${BUDGET_S:-470}   # the whole script; each step gets at most what is left
+# The whole script; each step gets at most what is left. --cpu is a smoke test of the script on a small (and often
+# shared) machine, not a measurement: it gets three times each step's time and 20 minutes in all.
+BUDGET_S=${BUDGET_S:-$([ "$CPU" = 1 ] && echo 1200 || echo 470)}
+SCALE=$([ "$CPU" = 1 ] && echo 3 || echo 1)
 SITE=${SITE:-/tmp/site}
-MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-random}
+MODEL_DIR=${MODEL_DIR:-.device/smollm2}  # config and tokenizer; the weights are --load-format dummy's
 STEPS=$(mktemp /tmp/device-steps.XXXXXX)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/supervise-cache}
@@ -32,17 +37,28 @@ if [ "$CPU" = 1 ]; then
   FRONTEND_ARGS="--servers 1 2 --duration 2 --warmup 0.5 --stream-tokens 32 --paced-tokens 16 --client-processes 1"
   SERVE_ARGS="--num-prompts 8 --max-concurrency 4 --input-len 16 --output-len 8"
   SUPERVISE_ARGS="--max-num-seqs 8"
+  # The real shapes: the 1B only (the 8B is 32 GB in float32), a few tokens (about 1 s a step on 2 cores).
+  SHAPES="llama-3.2-1b"
+  SHAPE_ENGINE_ARGS="--num-prompts 2 --prompt-len 8 --output-len 4 --no-single"
+  SHAPE_SERVE_ARGS="--num-prompts 4 --max-concurrency 2 --input-len 8 --output-len 4 --warmup 0"
+  SHAPE_SUPERVISE_ARGS="--max-num-seqs 2 --max-model-len 64"
+  HARDWARE="--bandwidth-tbps 0.02 --peak-tflops 0.15"  # roughly this 2-core VM in float32: the rows are a smoke test
 else
   DEVICE=cuda DTYPE=bfloat16
   ENGINE_ARGS="--num-prompts 256 --prompt-len 128 --output-len 128"
-  FRONTEND_ARGS="--servers 1 8 --duration 8 --warmup 1 --client-processes 4 --engines 4"
+  FRONTEND_ARGS="--servers 1 8 --duration 6 --warmup 1 --client-processes 4 --engines 4"
   SERVE_ARGS="--num-prompts 1024 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 60"
   SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192"
+  SHAPES="llama-3.2-1b llama-3.1-8b"
+  SHAPE_ENGINE_ARGS="$ENGINE_ARGS --no-single"
+  SHAPE_SERVE_ARGS="--num-prompts 512 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 40"
+  SHAPE_SUPERVISE_ARGS="$SUPERVISE_ARGS --max-model-len 2048"
+  HARDWARE=""  # bench/device_summary.py's defaults: one H200
 fi
 
 # step NAME SECONDS COMMAND...: run it under `timeout`, clamped to the budget left; note its exit code and time.
 step() {
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(($2 * SCALE)); shift 2
   local left=$((BUDGET_S - SECONDS))
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$limit" -lt 10 ]; then
@@ -57,7 +73,7 @@ step() {
 }
 
 install_wheels() {
-  if "$PYTHON" -c "import uvicorn, starlette, zmq, orjson, pydantic, setproctitle, httptools" 2>/dev/null; then
+  if "$PYTHON" -c "import uvicorn, starlette, zmq, orjson, pydantic, setproctitle, httptools, jinja2" 2>/dev/null; then
     echo "the dependencies import already"; return 0
   fi
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
@@ -71,21 +87,34 @@ main() {
   step install 60 bash -c install_wheels
   "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
 'transformers', transformers.__version__)"
-  step stage-tokenizer 60 "$PYTHON" bench/stage_embedded_model.py .device/smollm2 "$SITE"
-  step random-model 90 "$PYTHON" bench/make_random_model.py .device/smollm2 "$MODEL_DIR" --dtype "$DTYPE"
+  step stage-tokenizer 60 "$PYTHON" bench/stage_embedded_model.py "$MODEL_DIR" "$SITE"
   # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs (skipped with --cpu).
-  [ "$CPU" = 1 ] || step gpu-tests 120 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
+  [ "$CPU" = 1 ] || step gpu-tests 100 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
 tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
+  # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it.
   # shellcheck disable=SC2086  # the ARGS variables are word lists on purpose
-  step engine 150 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$MODEL_DIR' --device $DEVICE \
---dtype $DTYPE $ENGINE_ARGS | tee '$OUT/engine.txt'"
+  step engine 100 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$MODEL_DIR' --load-format dummy \
+--device $DEVICE --dtype $DTYPE $ENGINE_ARGS | tee '$OUT/engine.txt'"
+  for shape in $SHAPES; do
+    # shellcheck disable=SC2086
+    step "engine-$shape" 90 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model bench/models/$shape \
+--load-format dummy --device $DEVICE --dtype $DTYPE $SHAPE_ENGINE_ARGS | tee '$OUT/engine-$shape.txt'"
+  done
   # shellcheck disable=SC2086
-  step frontend 150 "$PYTHON" bench/frontend.py $FRONTEND_ARGS --result-json "$OUT/frontend.json" \
+  step frontend 100 "$PYTHON" bench/frontend.py $FRONTEND_ARGS --result-json "$OUT/frontend.json" \
     --plot "$OUT/frontend.png"
   # shellcheck disable=SC2086
-  step serve 150 "$PYTHON" bench/serve.py --start-supervise "--model $MODEL_DIR --device $DEVICE --dtype $DTYPE \
-$SUPERVISE_ARGS" --tokenizer "$MODEL_DIR" $SERVE_ARGS --result-json "$OUT/serve.json" --plot "$OUT/serve.png"
-  "$PYTHON" bench/device_summary.py "$OUT" "$STEPS" | tee "$OUT/summary.txt"
+  step serve 100 "$PYTHON" bench/serve.py --start-supervise "--model $MODEL_DIR --load-format dummy --device $DEVICE \
+--dtype $DTYPE $SUPERVISE_ARGS" --tokenizer "$MODEL_DIR" $SERVE_ARGS --result-json "$OUT/serve.json" \
+    --plot "$OUT/serve.png"
+  for shape in $SHAPES; do
+    # shellcheck disable=SC2086
+    step "serve-$shape" 90 "$PYTHON" bench/serve.py --start-supervise "--model bench/models/$shape --load-format dummy \
+--device $DEVICE --dtype $DTYPE $SHAPE_SUPERVISE_ARGS" --tokenizer "bench/models/$shape" $SHAPE_SERVE_ARGS \
+      --result-json "$OUT/serve-$shape.json"
+  done
+  # shellcheck disable=SC2086
+  "$PYTHON" bench/device_summary.py "$OUT" "$STEPS" $HARDWARE | tee "$OUT/summary.txt"
   rm -f "$STEPS"
   echo "total ${SECONDS}s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 }

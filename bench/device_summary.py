@@ -1,41 +1,71 @@
 """The short table that ends bench/device.sh: each step's outcome and the headline figures against their targets.
 
-    python3 bench/device_summary.py OUT_DIR STEPS_FILE
+    python3 bench/device_summary.py OUT_DIR STEPS_FILE [--bandwidth-tbps 4.8 --peak-tflops 989]
 
-Reads what the steps left in OUT_DIR (engine.txt, frontend.json, serve.json); a missing file is a step that
-failed, shown as such rather than stopping the summary.
+Reads what the steps left in OUT_DIR (engine[-SHAPE].txt, frontend.json, serve[-SHAPE].json); a missing file is a
+step that failed, shown as such rather than stopping the summary. Engine and end-to-end rates are also given as
+a percentage of their roofline (bench/roofline.py) on the given hardware (default: one H200).
 """
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import os
 import re
+import shlex
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import load_config, roofline  # noqa: E402
 
-def engine_rows(path: str) -> list[tuple[str, str, str]]:
-    """(figure, value, target) from bench/engine.py's table: its many-request rows."""
+# Targets by shape (issue 15): the 135M shape's engine in tokens/s, the 8B's as a share of its roofline.
+ENGINE_TARGETS = {"": ">= 20000"}
+ROOFLINE_TARGETS = {"llama-3.1-8b": ">= 60%"}
+
+
+def engine_rows(path: str, shape: str, hardware: dict) -> list[tuple[str, str, str]]:
+    """(figure, value, target) from bench/engine.py's table: its many-request rows, and the engine's share of
+    the roofline."""
+    name = f"engine {shape}".rstrip()
     if not os.path.isfile(path):
-        return [("engine", "no result", "")]
-    rates = {}
-    workload = "?"
+        return [(name, "no result", "")]
+    rates, workload, model = {}, None, None
     for line in open(path):
-        shape = re.match(r"(\d+) prompts x (\d+) tokens, (\d+) output tokens", line)
-        if shape:
-            workload = f"{shape.group(1)} x ({shape.group(2)}+{shape.group(3)})"
+        head = re.match(r"model (\S+) on \S+ \((\w+)\)", line)
+        if head:
+            model = head.groups()
+        shape_line = re.match(r"(\d+) prompts x (\d+) tokens, (\d+) output tokens", line)
+        if shape_line:
+            workload = tuple(int(g) for g in shape_line.groups())
         match = re.match(
             r"(\d+) requests\s+(transformers generate.*?|supervise engine core)\s+\d+\s+[\d.]+\s+([\d.]+)", line
         )
         if match:
             rates["engine" if match.group(2).startswith("supervise") else "transformers"] = float(match.group(3))
     rows = []
+    label = f"{workload[0]} x ({workload[1]}+{workload[2]})" if workload else "?"
     if "engine" in rates:
-        rows.append((f"engine: out tok/s, {workload}", f"{rates['engine']:.0f}", ">= 20000"))
+        rows.append((f"{name}: out tok/s, {label}", f"{rates['engine']:.0f}", ENGINE_TARGETS.get(shape, "")))
     if "transformers" in rates:
-        rows.append(("transformers generate: out tok/s", f"{rates['transformers']:.0f}", "(about 12000)"))
+        rows.append((f"transformers generate{' ' + shape if shape else ''}: out tok/s", f"{rates['transformers']:.0f}",
+                     "" if shape else "(about 12000)"))
         if "engine" in rates:
-            rows.append(("engine / transformers", f"{rates['engine'] / rates['transformers']:.2f}", ""))
-    return rows or [("engine", "no table in engine.txt", "")]
+            rows.append((f"{name} / transformers", f"{rates['engine'] / rates['transformers']:.2f}", ""))
+    if "engine" in rates and workload and model:
+        n, prompt, output = workload
+        rows += roofline_rows(name, model[0], model[1], rates["engine"], n, prompt, output, n, shape, hardware)
+    return rows or [(name, "no table in the log", "")]
+
+
+def roofline_rows(name, model_dir, dtype, rate, n, prompt, output, concurrency, shape, hardware) -> list:
+    try:
+        bound = roofline(load_config(model_dir), dtype, n, prompt, output, concurrency, **hardware)
+    except (OSError, KeyError, ValueError) as exc:
+        return [(f"{name}: roofline", f"unknown ({exc.__class__.__name__})", "")]
+    return [(f"{name}: roofline out tok/s ({bound['bound']})", f"{bound['output_tokens_per_s']:.0f}", ""),
+            (f"{name}: % of roofline", f"{100 * rate / bound['output_tokens_per_s']:.1f}%",
+             ROOFLINE_TARGETS.get(shape, ""))]
 
 
 def frontend_rows(path: str) -> list[tuple[str, str, str]]:
@@ -54,36 +84,67 @@ def frontend_rows(path: str) -> list[tuple[str, str, str]]:
         out.append(("frontend: API CPU us per request", f"{rows[1]['api_cpu_us_per_request']:.0f}", "<= 1000"))
         out.append(("frontend: API CPU us per token (paced)", f"{rows[1]['api_cpu_us_per_token']:.1f}", "<= 40"))
     out.append(("frontend: RSS MB per API server (max)", f"{max(r['rss_mb_max'] for r in rows.values()):.0f}", "< 200"))
+    with_torch = sum(sum(r.get("torch_loaded", {}).values()) for r in rows.values())
+    out.append(("frontend: API servers with torch loaded", str(with_torch), "0"))
     return out
 
 
-def serve_rows(path: str) -> list[tuple[str, str, str]]:
+def serve_rows(path: str, shape: str, hardware: dict) -> list[tuple[str, str, str]]:
+    name = f"serve {shape}".rstrip()
     if not os.path.isfile(path):
-        return [("serve", "no result", "")]
-    s = json.load(open(path))["runs"][0]["summary"]
-    return [
-        ("serve: completed / failed", f"{s['completed']} / {s['failed']}", "0 failed"),
-        ("serve: output tok/s", f"{s['output_throughput']:.0f}", ""),
-        ("serve: TTFT p50 / p99 ms", f"{s['ttft_ms']['p50'] or 0:.0f} / {s['ttft_ms']['p99'] or 0:.0f}", ""),
-        ("serve: TPOT p50 / p99 ms", f"{s['tpot_ms']['p50'] or 0:.1f} / {s['tpot_ms']['p99'] or 0:.1f}", ""),
+        return [(name, "no result", "")]
+    result = json.load(open(path))
+    s = result["runs"][0]["summary"]
+    rows = [
+        (f"{name}: completed / failed", f"{s['completed']} / {s['failed']}", "0 failed"),
+        (f"{name}: output tok/s", f"{s['output_throughput']:.0f}", ""),
+        (f"{name}: TTFT p50 / p99 ms", f"{s['ttft_ms']['p50'] or 0:.0f} / {s['ttft_ms']['p99'] or 0:.0f}", ""),
+        (f"{name}: TPOT p50 / p99 ms", f"{s['tpot_ms']['p50'] or 0:.1f} / {s['tpot_ms']['p99'] or 0:.1f}", ""),
     ]
+    args = result.get("args", {})
+    options = shlex.split(args.get("start_supervise") or "")
+    option = lambda flag, default=None: options[options.index(flag) + 1] if flag in options else default  # noqa: E731
+    if option("--model") and s["completed"]:
+        rows += roofline_rows(name, option("--model"), option("--dtype", "bfloat16"), s["output_throughput"],
+                              s["completed"], args["input_len"], args["output_len"],
+                              args.get("max_concurrency") or s["completed"], shape, hardware)
+    return rows
+
+
+def shapes(out_dir: str, prefix: str, suffix: str) -> list[tuple[str, str]]:
+    """(shape, path) of OUT_DIR's PREFIX[-SHAPE]SUFFIX files, the unnamed (135M) shape first."""
+    found = [("", os.path.join(out_dir, prefix + suffix))]
+    for path in sorted(glob.glob(os.path.join(out_dir, f"{prefix}-*{suffix}"))):
+        found.append((os.path.basename(path)[len(prefix) + 1:-len(suffix)], path))
+    return found
 
 
 def main() -> None:
-    out_dir, steps_file = sys.argv[1], sys.argv[2]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("steps_file")
+    p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="memory bandwidth (default: H200 HBM)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the dtype (default: H200 bf16)")
+    args = p.parse_args()
+    hardware = {"bandwidth": args.bandwidth_tbps * 1e12, "flops": args.peak_tflops * 1e12}
     print(f"\n{'step':<16}{'exit':>8}{'seconds':>9}")
-    for line in open(steps_file) if os.path.isfile(steps_file) else ():
+    for line in open(args.steps_file) if os.path.isfile(args.steps_file) else ():
         name, rc, seconds = line.split()
         print(f"{name:<16}{rc:>8}{seconds:>9}")
+    readers = [(lambda path, shape=shape: engine_rows(path, shape, hardware), path)
+               for shape, path in shapes(args.out_dir, "engine", ".txt")]
+    readers.append((frontend_rows, os.path.join(args.out_dir, "frontend.json")))
+    readers += [(lambda path, shape=shape: serve_rows(path, shape, hardware), path)
+                for shape, path in shapes(args.out_dir, "serve", ".json")]
     rows = []
-    for reader, name in ((engine_rows, "engine.txt"), (frontend_rows, "frontend.json"), (serve_rows, "serve.json")):
+    for reader, path in readers:
         try:
-            rows += reader(os.path.join(out_dir, name))
+            rows += reader(path)
         except Exception as exc:  # a half-written file must not hide the other figures
-            rows.append((name, f"unreadable: {exc}", ""))
-    print(f"\n{'figure':<42}{'value':>16}  target")
+            rows.append((os.path.basename(path), f"unreadable: {exc}", ""))
+    print(f"\n{'figure':<48}{'value':>16}  target  (roofline: {args.bandwidth_tbps:g} TB/s, {args.peak_tflops:g} TFLOP/s)")
     for figure, value, target in rows:
-        print(f"{figure:<42}{value:>16}  {target}")
+        print(f"{figure:<48}{value:>16}  {target}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/engine.py                                   # CPU: 32 prompts of 128 + 128 tokens
     python3 bench/engine.py --model DIR --device cuda --num-prompts 256   # one H200: target >= 20,000 out tok/s
-    (bench/device.sh runs the latter with a random-weight SmolLM2-135M made by bench/make_random_model.py)
+    python3 bench/engine.py --model bench/models/llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16
+    (bench/device.sh runs these with random weights: --load-format dummy on the SmolLM2-135M and Llama shapes)
 
 Both sides get the same random prompts (all of --prompt-len tokens) and produce exactly --output-len tokens each,
 greedily (the engine with ignore_eos, transformers with min_new_tokens). transformers runs them as static batches
@@ -33,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights built on the device from config.json")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -85,7 +88,7 @@ def _sync(device) -> None:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa")
+    loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa", load_format=args.load_format)
     model = loaded.model
     prompts = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size)
 
@@ -99,8 +102,8 @@ def main() -> None:
 
     token_budget = args.max_num_batched_tokens or (8192 if loaded.device.type == "cuda" else 2048)
     config = ServeConfig(
-        model=args.model, device=str(loaded.device), dtype=args.dtype, max_num_seqs=args.max_num_seqs or
-        len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, device=str(loaded.device), dtype=args.dtype, load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs or len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
     )

@@ -40,7 +40,7 @@ from closed_loop_clients import ClosedLoopClients  # noqa: E402
 from grpc_clients import GENERATE_PATH, generate_body, grpc_client_process  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body  # noqa: E402
-from process_usage import cpu_seconds, cpu_spent, rss_mb, titled_children  # noqa: E402
+from process_usage import cpu_seconds, cpu_spent, rss_mb, titled_children, torch_loaded  # noqa: E402
 
 TARGETS = {"us_per_request": 1000.0, "us_per_token": 40.0, "rss_mb": 200.0}
 CHAT_PATH = "/v1/chat/completions"
@@ -139,7 +139,7 @@ def run_phase(clients: ClosedLoopClients, url: str, body: bytes, tokens: int, co
     }
 
 
-def row_from_phases(label: str, count: int, phases: dict, rss: dict[str, float]) -> dict:
+def row_from_phases(label: str, count: int, phases: dict, rss: dict[str, float], torch: dict[str, bool]) -> dict:
     get = lambda name, key: phases[name][key] if name in phases else None  # noqa: E731
     return {
         "label": label,
@@ -153,6 +153,8 @@ def row_from_phases(label: str, count: int, phases: dict, rss: dict[str, float])
         "events_per_token": get("paced", "events_per_token"),
         "rss_mb_max": max(rss.values(), default=0.0),
         "rss_mb_mean": sum(rss.values()) / max(1, len(rss)),
+        "rss_mb_by_server": rss,
+        "torch_loaded": torch,  # by server: torch's library mapped in it
         "phases": phases,
     }
 
@@ -161,7 +163,7 @@ def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = Fals
     """The saturating phases on a fast simulated engine, the paced one on a slow one: two group starts."""
     from supervise_launcher import start_supervise
 
-    phases, rss = {}, {}
+    phases, rss, torch = {}, {}, {}
     for sim_ms, names, per_server in ((args.sim_ms, ("requests", "streams"), None),
                                       (args.paced_sim_ms, ("paced",), args.paced_concurrency)):
         model = f"sim:{sim_ms:g}"
@@ -181,9 +183,11 @@ def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = Fals
                 phases[name] = run_phase(clients, server.url, body, tokens, concurrency, api, others, args)
                 for k, v in rss_mb(api).items():
                     rss[k] = max(v, rss.get(k, 0.0))
+            for k, v in torch_loaded(api).items():
+                torch[k] = v or torch.get(k, False)
         finally:
             server.stop()
-    return row_from_phases(f"supervise{' --grpc' if grpc else ''} x{count}", count, phases, rss)
+    return row_from_phases(f"supervise{' --grpc' if grpc else ''} x{count}", count, phases, rss, torch)
 
 
 def measure_other(clients: ClosedLoopClients, args) -> dict:
@@ -198,7 +202,7 @@ def measure_other(clients: ClosedLoopClients, args) -> dict:
         "requests": run_phase(clients, args.vllm_url, *plan["requests"], args.request_concurrency, api, others, args),
         "paced": run_phase(clients, args.vllm_url, *plan["paced"], args.paced_concurrency, api, others, args),
     }
-    return row_from_phases(f"other ({args.vllm_url})", 1, phases, rss_mb(api))
+    return row_from_phases(f"other ({args.vllm_url})", 1, phases, rss_mb(api), torch_loaded(api))
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -235,9 +239,14 @@ def print_table(rows: list[dict]) -> None:
         errors = sum(sum(p["errors"].values()) for p in r["phases"].values())
         print(f"{r['label']:<{width}}" + "".join(_cell(r[k], f, w) for _, k, f, w in COLUMNS)
               + f"{engine * 100:>8.0f}{busiest['client_cpu_share'] * 100:>8.0f}{errors:>7}")
+    for r in rows:
+        servers = ", ".join(f"{name} {mb:.0f} MB{' (torch loaded)' if r['torch_loaded'].get(name) else ''}"
+                            for name, mb in sorted(r["rss_mb_by_server"].items()))
+        print(f"  {r['label']}: RSS {servers}; torch loaded in {sum(r['torch_loaded'].values())} of "
+              f"{len(r['torch_loaded'])} API server(s)")
     print(f"targets: <= {TARGETS['us_per_request']:g} us of API-server CPU per 1-token chat completion, "
           f"<= {TARGETS['us_per_token']:g} us per streamed token (paced), "
-          f"< {TARGETS['rss_mb']:g} MB RSS per API server")
+          f"< {TARGETS['rss_mb']:g} MB RSS per API server, torch loaded in none")
     print("us/req, us/tok: CPU of all API servers together per request / per streamed token; eff: throughput of N / "
           "(N x throughput of one);\nev/tok: SSE events (gRPC: messages) per token (below 1: tokens coalesced under saturation); "
           "engine%: the busiest engine process's CPU share, client%: the clients' (saturated stream phase)")

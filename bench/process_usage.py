@@ -44,5 +44,18 @@ def rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
     return sizes
 
 
+def torch_loaded(processes: dict[str, psutil.Process]) -> dict[str, bool]:
+    """Whether each process has torch's native library mapped: an API server must not (issue 15: a CUDA torch
+    pulled in by a library made an idle one hold 585 MB)."""
+    loaded = {}
+    for name, process in processes.items():
+        try:
+            with open(f"/proc/{process.pid}/maps") as maps:
+                loaded[name] = any("libtorch" in line for line in maps)
+        except OSError:  # gone, or not Linux
+            pass
+    return loaded
+
+
 def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}

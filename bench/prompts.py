@@ -3,6 +3,8 @@
 With the embedded model's tokenizer (or `--tokenizer DIR`): a prompt is N words drawn from the vocabulary's
 own space-prefixed lowercase words, each exactly one token, so the prompt is exactly N tokens (the chat
 template adds its own few). Without a tokenizer: words from a small built-in list, about one token each.
+A DIR with only a config.json (bench/models/llama-3.1-8b) gets the synthetic tokenizer that
+`supervise --load-format dummy` serves it with.
 """
 from __future__ import annotations
 
@@ -36,16 +38,22 @@ class RandomPrompts:
         self.tokenizer = None
         self.words: list[str] = list(_FALLBACK_WORDS)
         self.first_words: list[str] = self.words
+        if tokenizer_dir and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+            from enginecore.model_source import dummy_model_dir
+
+            tokenizer_dir = dummy_model_dir(tokenizer_dir)
         path = os.path.join(tokenizer_dir, "tokenizer.json") if tokenizer_dir else None
         if path and os.path.isfile(path):
             from transformers import PreTrainedTokenizerFast
 
             self.tokenizer = PreTrainedTokenizerFast(tokenizer_file=path)
             vocab = self.tokenizer.get_vocab()
-            # "Ġword" is " word" as one token; the first word has no space before it, so it must also be a
-            # token on its own.
+            # "Ġword" is " word" as one token; the first word has no space before it, so it must also encode
+            # as one token on its own (being in the vocabulary is not enough: BPE may split it otherwise).
             self.words = sorted(w[1:] for w in vocab if w.startswith("Ġ") and re.fullmatch(r"[a-z]{3,}", w[1:]))
-            self.first_words = [w for w in self.words if w in vocab]
+            alone = [w for w in self.words if w in vocab]
+            encoded = self.tokenizer(alone, add_special_tokens=False).input_ids if alone else []
+            self.first_words = [w for w, ids in zip(alone, encoded) if len(ids) == 1]
 
     @property
     def source(self) -> str:

@@ -1,11 +1,8 @@
-"""Linear weights stored column-major for the CPU's decode-sized matrix products.
-
-nn.Linear computes x @ W.T with W stored [out, in] row-major, so MKL's sgemm reads its B operand transposed.
-For the thin products of a decode step (a handful to a few dozen rows) that path is markedly slower on this
-class of CPU: `bench/cpu_layout.py` prints each product of a SmolLM2 layer both ways (one run: a whole layer's
-products 1.6x faster at 8 rows, 1.3x at 32, 1.07x at one) and the engine's decode throughput with each layout
-(1.07x at 32 streams); prefill-sized products are unchanged. Storing W as the transpose of a contiguous [in, out] tensor keeps the parameter's shape, so the
-model's own code runs unchanged while torch hands MKL an untransposed B.
+"""Linear weights of a transformers model re-laid column-major in place, for models the lean CPU forward does
+not cover (enginecore.cpu_model) when start-up timing found that layout faster on this CPU
+(enginecore.cpu_setup.float32_layout; MKL takes other code paths on AMD than on Intel, so it is measured, not
+assumed). Storing W as the transpose of a contiguous [in, out] tensor keeps the parameter's shape, so the
+model's own code runs unchanged while torch hands the BLAS an untransposed B.
 
 Weights shared with an embedding (a tied LM head) keep their layout: an embedding lookup wants whole rows.
 """

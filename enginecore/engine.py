@@ -23,9 +23,10 @@ import torch
 
 from enginecore import model_facts
 from enginecore.block_pool import KVBlockPool
-from enginecore.cpu_weights import store_linear_weights_column_major
+from enginecore.cpu_setup import prepare_cpu_model, resolve_quantization
 from enginecore.kv_cache import KVCache, KVShape, cpu_num_blocks
-from enginecore.loader import BadEngineSetting, LoadedModel, load_model, set_cpu_threads
+from enginecore.cpu_threads import set_cpu_threads
+from enginecore.loader import BadEngineSetting, LoadedModel, load_model
 from enginecore.model_runner import ModelRunner
 from enginecore.sampler import Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
@@ -47,10 +48,13 @@ class EngineCore:
             raise BadEngineSetting("block size, max-num-seqs and max-num-batched-tokens must be positive")
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype)
+            loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
+        self.quantization = resolve_quantization(config.quantization, config.model, loaded.device, loaded.dtype)
+        cpu_model = None
         if loaded.device.type == "cpu":
             set_cpu_threads()
-            store_linear_weights_column_major(loaded.model)
+            cpu_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
+        self.quantization = getattr(cpu_model, "quantization", None) or self.quantization.replace("auto", "none")
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = config.block_size
@@ -62,7 +66,7 @@ class EngineCore:
         if context_len and max_len > context_len:
             raise BadEngineSetting(f"--max-model-len {max_len} exceeds the model's context of {context_len} tokens")
 
-        self.runner = ModelRunner(loaded.model, self.device, config.block_size)
+        self.runner = ModelRunner(loaded.model, self.device, config.block_size, cpu_model=cpu_model)
         shape = KVShape.of(loaded.hf_config)
         num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).

@@ -1,18 +1,18 @@
 """Load the model the user asked for onto the device the engine runs on.
 
 `--device auto` means CUDA when present, else the CPU; `--dtype auto` means float32 on the CPU (bfloat16 matmuls
-are slow there and the model is small) and bfloat16 on CUDA.
+are slow there and the model is small) and bfloat16 on CUDA. `--load-format dummy`: random weights built on the
+device from config.json (enginecore.dummy_model), no weights read.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from enginecore.model_source import ModelNotFound, resolve_model
+from enginecore.model_source import ModelNotFound, dummy_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class BadEngineSetting(Exception):
@@ -66,35 +67,28 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def set_cpu_threads() -> None:
-    """The engine core is the only compute process of the group: give torch every core it may run on, unless the
-    operator chose a number with OMP_NUM_THREADS (torch already took it from there)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores))
-
-
 def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: str = "auto",
-               attn_implementation: str = "sdpa") -> LoadedModel:
-    """Raises ModelNotFound (the user's --model) or BadEngineSetting (--device/--dtype)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+               attn_implementation: str = "sdpa", load_format: str = "auto") -> LoadedModel:
+    """Raises ModelNotFound (the user's --model) or BadEngineSetting (--device/--dtype/--load-format)."""
+    from transformers import AutoConfig, GenerationConfig
 
+    if load_format not in LOAD_FORMATS:
+        raise BadEngineSetting(f"--load-format {load_format}: expected {' or '.join(LOAD_FORMATS)}")
     device = pick_device(device_spec)
     dtype = pick_dtype(dtype_spec, device)
     started = time.monotonic()
     log.info("resolving model %s", model_spec or "(embedded SmolLM2-135M-Instruct)")
     model_dir = resolve_model(model_spec)
+    if load_format == "dummy":
+        model_dir = dummy_model_dir(model_dir)
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:
         raise ModelNotFound(f"cannot read the model config in {model_dir}: {exc}") from exc
-    log.info("loading %s (%s) on %s as %s", model_dir, hf_config.model_type, device, str(dtype).removeprefix("torch."))
+    log.info("loading %s (%s) on %s as %s%s", model_dir, hf_config.model_type, device, str(dtype).removeprefix("torch."),
+             ", random weights (--load-format dummy)" if load_format == "dummy" else "")
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+        model = _build(model_dir, hf_config, device, dtype, attn_implementation, load_format)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelNotFound(f"cannot load {model_dir} as a causal language model: {exc}") from exc
     model.to(device).eval()
@@ -106,3 +100,13 @@ def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: st
     num_params = sum(p.numel() for p in model.parameters())
     log.info("model loaded in %.1f s (%.0fM parameters)", time.monotonic() - started, num_params / 1e6)
     return LoadedModel(model, model_dir, device, dtype, hf_config, generation_config)
+
+
+def _build(model_dir, hf_config, device, dtype, attn_implementation, load_format) -> torch.nn.Module:
+    if load_format == "dummy":
+        from enginecore.dummy_model import build_dummy_model
+
+        return build_dummy_model(hf_config, device, dtype, attn_implementation)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)

@@ -5,11 +5,16 @@
   safetensors with its tokenizer, chat template and generation config under $XDG_CACHE_HOME/supervise;
 - a local directory with a config.json: used as it is;
 - anything else: a hub id, fetched where the hub can be reached.
+
+With `--load-format dummy` only config.json matters; a directory without a tokenizer (bench/models/llama-3.1-8b)
+is served from a copy in the cache with a synthetic tokenizer for its vocabulary (enginecore.synthetic_tokenizer).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -105,16 +110,75 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     # Write next to the target and rename, so a crash mid-way never leaves a half cache that looks whole.
+    with _staged(target) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+
+
+@contextlib.contextmanager
+def _staged(target: str):
+    """A fresh directory to fill; on success it becomes `target`, marked complete, in one rename."""
     staging = f"{target}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    model.generation_config.save_pretrained(staging)
-    open(os.path.join(staging, _COMPLETE_MARKER), "w").close()
-    shutil.rmtree(target, ignore_errors=True)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    os.rename(staging, target)
+    try:
+        yield staging
+        open(os.path.join(staging, _COMPLETE_MARKER), "w").close()
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another engine core (data parallelism) made the same one first
+            if not os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def dummy_model_dir(model_dir: str) -> str:
+    """For --load-format dummy: `model_dir` itself when it has a tokenizer, else a copy of its config.json and
+    generation_config.json in the cache with a synthetic tokenizer for its vocabulary, keyed by their content."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return model_dir
+    from enginecore import synthetic_tokenizer
+
+    texts = {}
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                texts[name] = f.read()
+    digest = hashlib.sha256(repr((synthetic_tokenizer.VERSION, sorted(texts.items()))).encode()).hexdigest()[:12]
+    target = os.path.join(cache_root(), f"dummy-{os.path.basename(model_dir.rstrip('/'))}-{digest}")
+    if os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
+        return target
+    config = json.loads(texts["config.json"])
+    generation = json.loads(texts.get("generation_config.json", b"{}"))
+    text_config = config.get("text_config") or config
+    vocab_size = text_config.get("vocab_size") or config.get("vocab_size")
+    if not isinstance(vocab_size, int):
+        raise ModelNotFound(f"{model_dir}/config.json has no vocab_size to make a tokenizer for")
+    eos_ids = []
+    for value in (generation.get("eos_token_id"), text_config.get("eos_token_id")):
+        for i in [value] if isinstance(value, int) else value or []:
+            if i not in eos_ids:
+                eos_ids.append(i)
+    bos_id = text_config.get("bos_token_id", generation.get("bos_token_id"))
+    log.info("making a synthetic tokenizer of %d tokens for %s in %s", vocab_size, model_dir, target)
+    try:
+        tokenizer, tokenizer_config = synthetic_tokenizer.build(vocab_size, bos_id, eos_ids,
+                                                                text_config.get("pad_token_id"))
+    except ValueError as exc:
+        raise ModelNotFound(f"{model_dir}: {exc}") from exc
+    with _staged(target) as staging:
+        for name, text in texts.items():
+            with open(os.path.join(staging, name), "wb") as f:
+                f.write(text)
+        tokenizer.save(os.path.join(staging, "tokenizer.json"))
+        with open(os.path.join(staging, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f, indent=2)
+    return target
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ class ServeConfig:
     # Engine core.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    quantization: str = "auto"  # auto | none | bf16 | int8 (CPU); auto: measured at start-up for a GGUF model, else none
+    load_format: str = "auto"  # auto: the model's weights | dummy: random weights from config.json (benchmarks)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

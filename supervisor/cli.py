@@ -52,6 +52,16 @@ def _positive(click_context, param, value):
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Weights and activations: auto is float32 on the CPU, bfloat16 on CUDA.")
+@click.option("--quantization", "-q", default=_DEFAULTS.quantization, show_default=True,
+              type=click.Choice(["auto", "none", "bf16", "int8"]),
+              help="Matrix products on the CPU (the rest stays float32): none (float32 weights), bf16 (bfloat16 "
+                   "weights and inputs), int8 (int8 weights per channel, activations per token). auto: for a GGUF "
+                   "model (the embedded one) the fastest that keeps float32's greedy tokens, measured at start-up "
+                   "(bf16 where the CPU has native bfloat16, else int8); otherwise none. See README.")
+@click.option("--load-format", default=_DEFAULTS.load_format, show_default=True,
+              type=click.Choice(["auto", "dummy"]),
+              help="auto: load the model's weights; dummy: random weights built from its config.json on the "
+                   "device, nothing read from disk (a tokenizer is made when the directory has none).")
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
               help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--max-num-seqs", default=_DEFAULTS.max_num_seqs, show_default=True, type=click.IntRange(1),

@@ -7,6 +7,10 @@ import openai
 import pytest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Against float32 transformers: the served default multiplies in bfloat16 on CPUs that have it (README, CPU:
+# 0.005 nats/token on average, single tokens up to ~0.1; tests/test_quantization.py bounds it); a misaligned
+# prompt position would be off by whole nats.
+LOGPROB_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def test_echo_with_logprobs_covers_the_prompt(served, client, model):
     assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs[1:])
     assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-4
                for i, top in enumerate(lp.top_logprobs[1:], start=1))
-    assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=1e-3)
+    assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=LOGPROB_TOLERANCE)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 1
 
 
@@ -94,7 +98,7 @@ def test_echo_with_max_tokens_zero_returns_just_the_prompt(served, client, model
     assert reply.choices[0].text == FRANCE and reply.choices[2].text == FRANCE + " Paris"
     assert reply.choices[1].logprobs == first and reply.choices[3].logprobs == longer  # every choice gets them
     assert len(first.tokens) == len(prompt) and first.token_logprobs[0] is None
-    assert first.token_logprobs[1:] == pytest.approx(_reference_logprobs(prompt), abs=1e-3)
+    assert first.token_logprobs[1:] == pytest.approx(_reference_logprobs(prompt), abs=LOGPROB_TOLERANCE)
     assert longer.token_logprobs[:len(prompt)] == pytest.approx(first.token_logprobs, abs=1e-3)
     assert longer.tokens[-1] == " Paris" and longer.token_logprobs[-1] > -5  # the model knows it
 

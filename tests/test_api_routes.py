@@ -70,6 +70,17 @@ def test_tokenizer_info(http):
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
 
 
+def test_the_api_server_holds_neither_torch_nor_transformers(http):
+    """Its import graph is free of both by construction: transformers pulls torch in wherever torch is installed,
+    and torch with CUDA made an idle API server hold 585 MB."""
+    info = http.get("/server_info").json()["api_server"]
+    packages = set(info["packages"])
+    assert {"apiserver", "tokenizers", "jinja2"} <= packages  # the list is real: the server's own are there
+    assert not {"torch", "transformers"} & packages
+    with open(f"/proc/{info['pid']}/maps") as maps:
+        assert not [line for line in maps if "libtorch" in line or "/torch/lib/" in line]
+
+
 def test_prompt_tokens_details(http):
     usage = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}

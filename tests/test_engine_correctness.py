@@ -56,12 +56,18 @@ def test_greedy_matches_across_preemption(prompts):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_cpu_engine_lays_linear_weights_column_major_but_keeps_the_tied_head():
+def test_cpu_engine_runs_the_lean_forward_in_the_layout_measured_faster():
+    from enginecore.cpu_setup import float32_layout
+
     engine = make_engine()
     model = engine.loaded.model
-    q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.stride() == (1, q_proj.shape[0])  # [out, in] seen through a contiguous [in, out]
+    lean = engine.runner.cpu_model
+    assert lean is not None, "a Llama model on the CPU runs the lean forward"
+    layout = float32_layout(model)
+    assert layout["row_major_s"] > 0 and layout["column_major_s"] > 0
+    qkv = lean.layers[0].qkv
+    assert qkv.column_major == layout["column_major"]
+    assert qkv.weight.stride() == ((1, qkv.out_features) if layout["column_major"] else (qkv.in_features, 1))
     embedding = model.get_input_embeddings().weight
-    assert embedding.is_contiguous()  # lookups read whole rows
-    if model.config.tie_word_embeddings:
-        assert model.get_output_embeddings().weight is embedding
+    assert embedding.is_contiguous()  # lookups read whole rows; the transformers model itself is left as loaded
+    assert model.model.layers[0].self_attn.q_proj.weight.is_contiguous()

@@ -41,7 +41,9 @@ def chat_prompt(question: str) -> list[int]:
 
 
 def make_engine(**overrides) -> EngineCore:
-    settings = dict(device="cpu", dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=2048)
+    # Float32 weights: these engines are compared with plain transformers token for token.
+    settings = dict(device="cpu", dtype="float32", quantization="none", kv_cache_memory=64 * 2**20,
+                    max_model_len=2048)
     settings.update(overrides)
     return EngineCore(ServeConfig(**settings), loaded=loaded_model())
 

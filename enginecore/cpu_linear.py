@@ -1,0 +1,148 @@
+"""The CPU's matrix products: float32 weights in the layout this CPU multiplies fastest, or int8 weights.
+
+A `CpuLinear` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
+
+- `Float32Linear`: W in float32, stored row-major ([out, in], as nn.Linear) or column-major (the transpose of a
+  contiguous [in, out]). Which layout is faster depends on the CPU and its BLAS (MKL takes other code paths on
+  AMD than on Intel), so `pick_float32_layout` times both on the model's own shapes at start-up. Same numbers
+  either way: only the order of the BLAS's inner loops changes.
+- `Int8Linear` (`--quantization int8`): W as int8 with one scale per output channel (symmetric, the largest
+  |w| of the row maps to 127), and the activations quantized per row (per token) to int8 at each call, so
+  the product runs on oneDNN's integer kernels (VNNI where the CPU has it). A decode step reads a quarter of
+  the weight bytes of float32, which is what bounds it. This is W8A8 dynamic quantization, as vLLM's CPU
+  `w8a8` path and torchao's `int8_dynamic_activation_int8_weight`: torch's int8 *weight-only* kernel
+  (`_weight_int8pack_mm`) and its int4 kernel, timed by `bench/cpu_layout.py`, were 10-30x slower than
+  float32 on the CPUs measured, so they are not offered.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class CpuLinear:
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Float32Linear(CpuLinear):
+    def __init__(self, weight: torch.Tensor, column_major: bool):
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.t().contiguous().t() if column_major else weight.contiguous()
+        self.weight_t = self.weight.t()  # [in, out]: what addmm multiplies by
+        self.column_major = column_major
+
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(residual, x, self.weight_t)  # the residual add in the product's output pass
+
+
+class Int8Linear(CpuLinear):
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+        qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+
+    def __call__(self, x, residual=None):
+        qx, x_scale = quantize_rows(x)
+        y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.scale, self.zero_points, None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        y.mul_(x_scale)
+        if residual is not None:
+            y.add_(residual)
+        return y
+
+
+class Bf16Linear(CpuLinear):
+    """W in bfloat16, x rounded to bfloat16 for the product only (norms, attention, softmax and the residual
+    stream stay float32): oneDNN's bf16 kernels where the CPU has them natively (AVX512_BF16, AMX). The weight
+    is reordered once into oneDNN's blocked layout: handed a plain tensor, oneDNN reorders it on every call,
+    which made the products about 2x slower (a 576x49152 head at one row: 26.6 against 14.2 ms, loaded box)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), None)
+
+    def __call__(self, x, residual=None):
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "").float()
+        if residual is not None:
+            y.add_(residual)
+        return y
+
+
+# Activations go to oneDNN as uint8 around 128, not as int8: its kernels take unsigned activations (what VNNI's
+# vpdpbusd multiplies); signed ones fell to a reference path 1000x slower (39 ms against 43 us for one
+# 1x576x1536 product on an AMD EPYC with AVX-512 VNNI).
+ACTIVATION_ZERO_POINT = 128
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] float -> (uint8 [rows, in], scale [rows, 1]) with x ~= (q - 128) * scale, symmetric per row."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
+    return torch.round(x / scale).add_(ACTIVATION_ZERO_POINT).to(torch.uint8), scale
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (elsewhere oneDNN emulates it, slower than float32)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def int8_available() -> bool:
+    """Whether this torch build has oneDNN's quantized linear (x86 builds do)."""
+    try:
+        w = torch.ones(4, 8)
+        y = Int8Linear(w)(torch.ones(2, 8))
+        return bool(torch.allclose(y, torch.full((2, 4), 8.0), rtol=0.02))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def time_kernels(factories: dict, shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32), repeat: int = 3) -> dict:
+    """Seconds per kernel kind: every (in, out) product at each batch size, the kinds interleaved, best of
+    `repeat` each (a busy neighbour slows all alike and the best time is the least disturbed), summed."""
+    totals = {name: 0.0 for name in factories}
+    gen = torch.Generator().manual_seed(0)
+    for fan_in, fan_out in shapes:
+        weight = torch.randn(fan_out, fan_in, generator=gen) * 0.05
+        kernels = {name: make(weight) for name, make in factories.items()}
+        for rows in batch_sizes:
+            x = torch.randn(rows, fan_in, generator=gen)
+            best = {name: float("inf") for name in factories}
+            for _ in range(repeat):
+                for name, kernel in kernels.items():
+                    kernel(x)
+                    started = time.perf_counter()
+                    kernel(x)
+                    best[name] = min(best[name], time.perf_counter() - started)
+            for name in totals:
+                totals[name] += best[name]
+    return totals
+
+
+def pick_float32_layout(shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32)) -> dict:
+    """Row- or column-major float32 weights, whichever multiplies the model's products faster here."""
+    t = time_kernels({False: lambda w: Float32Linear(w, False), True: lambda w: Float32Linear(w, True)},
+                     shapes, batch_sizes)
+    column_major = t[True] < t[False]
+    return {"column_major": column_major, "row_major_s": t[False], "column_major_s": t[True],
+            "why": f"timed at start-up on {len(shapes)} product shapes x batch {list(batch_sizes)}: row-major "
+                   f"{t[False] * 1e3:.2f} ms, column-major {t[True] * 1e3:.2f} ms"}

@@ -1,0 +1,126 @@
+"""A lean forward pass for Llama-architecture models on the CPU (SmolLM2, Llama, and models shaped like them).
+
+Why: a decode step of a small model on the CPU is a few milliseconds of matrix products wrapped in thousands of
+tiny torch ops. transformers' Llama layer issues about a hundred ops (separate q/k/v and gate/up products, RoPE
+through slices and a concatenation, a norm of six ops, the views around them) and as many Python module
+calls; at one stream on 2 cores those cost about as much as the products, and every op that opens an OpenMP
+region is a chance for a descheduled thread to stall the step. This forward reads the same weights from the
+transformers model and computes the same function in about twenty ops a layer:
+
+- q, k and v in one product (their weights concatenated), gate and up in one, the residual adds inside the
+  o and down products (addmm), RoPE on q and k together in four ops;
+- attention through the engine's paged attention (enginecore.attention), unchanged;
+- the final norm and the LM head only on the rows whose logits are wanted.
+
+Float32 results equal transformers' up to the order of additions inside the products (greedy tokens are
+checked against plain transformers by tests/test_engine_correctness.py). The products are `CpuLinear`s
+(enginecore.cpu_linear): float32 in the layout picked for this CPU, or int8.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from enginecore import attention
+from enginecore.cpu_linear import CpuLinear
+
+log = logging.getLogger(__name__)
+
+LinearFactory = Callable[[torch.Tensor], CpuLinear]  # a float [out, in] weight -> the kernel that multiplies by it
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when `model` is a Llama-architecture model this forward computes exactly; else why not."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"model type {config.model_type} (the lean CPU forward covers llama)"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biases in attention or MLP"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+@dataclass
+class _Layer:
+    layer_idx: int  # what paged_attention reads from its `module` argument
+    input_norm: torch.Tensor
+    qkv: CpuLinear
+    o: CpuLinear
+    post_norm: torch.Tensor
+    gate_up: CpuLinear
+    down: CpuLinear
+
+
+class CpuLlama:
+    def __init__(self, model: torch.nn.Module, make_linear: LinearFactory, make_head: LinearFactory | None = None):
+        base = model.model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.embed = base.embed_tokens.weight
+        self.rotary = base.rotary_emb  # transformers' own cos/sin (every RoPE scaling type it knows)
+        self.final_norm = base.norm.weight
+        self.scaling = base.layers[0].self_attn.scaling
+        self.layers = [self._layer(i, layer, make_linear) for i, layer in enumerate(base.layers)]
+        self.head = (make_head or make_linear)(model.lm_head.weight)
+
+    @staticmethod
+    def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        return _Layer(
+            layer_idx=index,
+            input_norm=layer.input_layernorm.weight,
+            qkv=make_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+            o=make_linear(a.o_proj.weight),
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            down=make_linear(m.down_proj.weight),
+        )
+
+    def linears(self) -> list[CpuLinear]:
+        return [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(sample_rows), vocab]; attention.current is set by the caller."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin_signed = self._rope_tables(h, positions)
+        for layer in self.layers:
+            h = self._layer_forward(layer, h, cos, sin_signed)
+        h = torch.rms_norm(h.index_select(0, sample_rows), (h.shape[1],), self.final_norm, self.eps)
+        return self.head(h)
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, d] for the step; sin with its first half negated, so that rotate_half(x) * sin
+        (transformers' formula) is x rolled by half a head times it: the same products, without the concatenation
+        of two slices per tensor."""
+        cos, sin = self.rotary(h, positions[None])
+        half = self.head_dim // 2
+        sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return cos[0, :, None, :], sin_signed[:, None, :]
+
+    def _layer_forward(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+        tokens = h.shape[0]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = layer.qkv(torch.rms_norm(h, (h.shape[1],), layer.input_norm, self.eps))
+        qk = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed  # RoPE on every q and k head at once
+        v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+        # paged_attention takes transformers' [1, heads, T, d] views and returns [1, T, heads, d].
+        out, _ = attention.paged_attention(layer, qk[:, :heads].transpose(0, 1)[None],
+                                           qk[:, heads:].transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           scaling=self.scaling)
+        h = layer.o(out.reshape(tokens, heads * d), residual=h)
+        gate_up = layer.gate_up(torch.rms_norm(h, (h.shape[1],), layer.post_norm, self.eps))
+        act = F.silu(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        return layer.down(act, residual=h)

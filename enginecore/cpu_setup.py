@@ -1,0 +1,143 @@
+"""Everything the engine decides once at start-up to run a model on the CPU: the quantization, the products'
+kernels and layout (by measurement on this CPU), and whether the lean Llama forward applies.
+
+`--quantization` (vLLM's flag) on the CPU, the activations and everything but the matrix products in float32:
+- `none`: float32 weights (in the layout measured faster here);
+- `bf16`: bfloat16 weights and product inputs (enginecore.cpu_linear.Bf16Linear), the LM head in float32;
+- `int8`: int8 weights per output channel and activations per token, W8A8 (Int8Linear);
+- `auto`, the default: for a model loaded from a GGUF (the embedded model is one: its weights are 4-bit
+  quantized already), the fastest mode that keeps float32's greedy tokens, chosen at start-up: bf16 where the
+  CPU multiplies bfloat16 natively and that beats float32 on the model's products, else int8 where that beats
+  float32, else none. bf16 comes first because it keeps float32's quality far better (tests/test_quantization.py
+  bounds both; README gives the figures). For any other model, and on CUDA, auto is none: its user asked
+  for those weights.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from enginecore.cpu_linear import (Bf16Linear, Float32Linear, Int8Linear, int8_available, native_bf16,
+                                   pick_float32_layout, time_kernels)
+from enginecore.cpu_model import CpuLlama, unsupported_reason
+from enginecore.cpu_weights import store_linear_weights_column_major
+from enginecore.loader import BadEngineSetting
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "bf16", "int8")
+KERNELS = {"bf16": Bf16Linear, "int8": Int8Linear}
+
+# Built CPU models per transformers model and choice: engines built on one loaded model (tests, benchmarks)
+# share the copies instead of making their own.
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def resolve_quantization(spec: str, model_spec: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """The mode asked for, checked; `auto` stays `auto` where the CPU must choose by measurement (the model's
+    shapes are needed: see prepare_cpu_model), else becomes `none`."""
+    if spec not in QUANTIZATIONS:
+        raise BadEngineSetting(f"--quantization {spec}: expected one of {', '.join(QUANTIZATIONS)}")
+    if spec == "auto":
+        from_gguf = model_spec is None or model_spec.endswith(".gguf")
+        return "auto" if device.type == "cpu" and dtype == torch.float32 and from_gguf else "none"
+    if spec != "none" and device.type != "cpu":
+        raise BadEngineSetting(f"--quantization {spec} runs on the CPU only")
+    if spec != "none" and dtype != torch.float32:
+        raise BadEngineSetting(f"--quantization {spec} keeps float32 activations: use --dtype float32 (or auto)")
+    return spec
+
+
+def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
+    """(mode, why) for --quantization auto: bf16 where native and faster than float32, else int8 where faster."""
+    candidates = {"none": lambda w: Float32Linear(w, layout["column_major"])}
+    if native_bf16():
+        candidates["bf16"] = Bf16Linear
+    if int8_available():
+        candidates["int8"] = Int8Linear
+    if len(candidates) == 1:
+        return "none", "no native bfloat16 and no oneDNN int8 here"
+    times = time_kernels(candidates, product_shapes(model), batch_sizes=(1, 8))
+    why = "the model's products at batch 1 and 8 took " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
+    for mode in ("bf16", "int8"):  # the more accurate first
+        if mode in times and times[mode] < 0.9 * times["none"]:
+            return mode, why
+    return "none", why
+
+
+def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: str) -> CpuLlama | None:
+    """The lean CPU model for `model`, or None where transformers' forward runs (then, in float32, its Linear
+    weights are re-laid in place in the layout measured faster here)."""
+    why_not = unsupported_reason(model)
+    if quantization == "auto" and why_not:
+        quantization = "none"
+    if quantization not in ("none", "auto"):
+        if why_not:
+            raise BadEngineSetting(f"--quantization {quantization} on the CPU needs a Llama-architecture model: "
+                                   f"{why_not}")
+        if quantization == "int8" and not int8_available():
+            raise BadEngineSetting("--quantization int8: this torch build has no oneDNN quantized linear")
+    if dtype != torch.float32:
+        log.info("CPU: transformers' forward in %s (the lean forward and its kernel choice are float32)", dtype)
+        return None
+    layout = float32_layout(model)
+    if why_not:
+        if layout["column_major"]:
+            store_linear_weights_column_major(model)
+        log.info("CPU: transformers' forward (%s); float32 weights %s-major (%s)", why_not,
+                 "column" if layout["column_major"] else "row", layout["why"])
+        return None
+    why = ""
+    if quantization == "auto":
+        quantization, why = auto_choice(model, layout)
+    key = (quantization, layout["column_major"])
+    cached = _built.setdefault(model, {})
+    if key not in cached:
+        float32 = lambda w: Float32Linear(w, layout["column_major"])  # noqa: E731
+        # bf16 keeps the LM head in float32: logits from bfloat16 inputs flipped near-ties of float32's top two
+        # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
+        cached[key] = CpuLlama(model, KERNELS.get(quantization) or float32,
+                               make_head=float32 if quantization == "bf16" else None)
+    cached[key].quantization = quantization
+    kernels = {"int8": "int8 W8A8 (oneDNN)", "bf16": "bfloat16 (oneDNN)"}.get(quantization) or \
+        f"float32 {'column' if layout['column_major'] else 'row'}-major ({layout['why']})"
+    log.info("CPU: lean Llama forward, products %s%s", kernels, f"; --quantization auto chose {quantization}: {why}"
+             if why else "")
+    return cached[key]
+
+
+_auto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def auto_choice(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
+    """choose_auto, measured once per model and process."""
+    if model not in _auto:
+        _auto[model] = choose_auto(model, layout)
+    return _auto[model]
+
+
+def product_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(in, out) of one layer's fused products and of the LM head, as the lean forward multiplies them."""
+    c = model.config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    hidden, inter = c.hidden_size, c.intermediate_size
+    return [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden), (hidden, 2 * inter), (inter, hidden),
+            (hidden, c.vocab_size)]
+
+
+_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def float32_layout(model: torch.nn.Module) -> dict:
+    """Measured once per model and process (a second engine on the same model keeps the first's choice)."""
+    if model not in _layouts:
+        try:
+            shapes = product_shapes(model)
+        except AttributeError:  # not a config with the usual names: time a generic square product
+            shapes = [(model.config.hidden_size, model.config.hidden_size)]
+        _layouts[model] = pick_float32_layout(shapes)
+    return _layouts[model]
