@@ -35,8 +35,10 @@ def render_chat(
     variables: dict,
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The text of `messages` under `template`; `variables` are the special tokens and the request's kwargs.
+    """The text of `messages` (which may call `tools`) under `template`; `variables` are the special tokens and the
+    request's kwargs.
     Raises ChatTemplateError, or jinja2.TemplateError from the template itself (`raise_exception`)."""
     if not messages:
         raise ChatTemplateError("Cannot apply chat template to an empty conversation. Provide at least one message.")
@@ -48,7 +50,7 @@ def render_chat(
     if continue_final_message:
         final_message = _tag_final_message(template, chat)
     text = _compile(template).render(
-        messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+        messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
     )
     if final_message is not None:
         text = _cut_after_final_message(text, final_message)

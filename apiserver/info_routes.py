@@ -30,15 +30,23 @@ class InfoRoutes:
         self._openapi: bytes | None = None
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model card: `root` is the model's path (as given, or the embedded model's directory),
+        `permission` the one permission object OpenAI's old model objects carried."""
         ctx = self.ctx
         card = {
             "id": ctx.model_name,
             "object": "model",
             "created": ctx.created,
             "owned_by": "supervise",
-            "root": ctx.config.model or ctx.model_name,
+            "root": ctx.config.model or ctx.model.model_dir,
             "parent": None,
             "max_model_len": ctx.model.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{ctx.created:x}", "object": "model_permission", "created": ctx.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                "group": None, "is_blocking": False,
+            }],
         }
         return json_response({"object": "list", "data": [card]})
 

@@ -2,8 +2,11 @@
 `(token id, [sampled logprob, [[token id, logprob], ...top]])` entries. With echo, completions put the prompt's
 entries first; the first prompt token's is `(token id, None)` (nothing before it predicts it): null logprobs.
 
-Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
-Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`: exactly the N
+likeliest tokens (OpenAI's rule for chat), whether or not the sampled one is among them.
+Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`: each
+`top_logprobs` entry holds the sampled (or echoed) token first, then the N likeliest, so N+1 entries when the
+token is not among them (OpenAI's legacy format allows it, vLLM does it, and clients look their own token up).
 """
 from __future__ import annotations
 
@@ -46,12 +49,16 @@ class LogprobFormatter:
             else:
                 logprob, top = data
                 token_logprobs.append(_finite(logprob))
-                top_logprobs.append({self.token_text(i): _finite(lp) for i, lp in top[:top_n]} if top_n else None)
+                tops = {text: _finite(logprob)}
+                for i, lp in top[:top_n]:
+                    tops.setdefault(self.token_text(i), _finite(lp))
+                top_logprobs.append(tops)
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def _finite(logprob: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what vLLM sends for the same case.
-    return logprob if logprob > -9999.0 else -9999.0
+def _finite(logprob: float | None) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what vLLM sends for the same case. The engine's
+    # -inf (a token a structured output's mask bars) reaches us as null: orjson writes -inf so.
+    return logprob if logprob is not None and logprob > -9999.0 else -9999.0

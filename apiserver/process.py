@@ -47,7 +47,7 @@ def run_api_server(launch: ApiServerLaunch) -> None:
 
     from apiserver.renderer import Renderer, load_tokenizer
 
-    renderer = Renderer(load_tokenizer(model.model_dir))
+    renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template)
     _return_freed_heap()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop))

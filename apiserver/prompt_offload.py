@@ -42,10 +42,10 @@ def _chat_ids(renderer: Renderer, messages: list[dict], options: tuple, add_spec
 
 async def render_chat(renderer: Renderer, messages: list[dict], add_generation_prompt: bool = True,
                       continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                      add_special_tokens: bool = False) -> list[int]:
+                      add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids for `messages`, as `renderer.render_chat` gives them (`add_special_tokens`:
     as /tokenize may ask, `renderer.encode` of the rendered text)."""
-    options = (add_generation_prompt, continue_final_message, chat_template_kwargs)
+    options = (add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
     if sum(len(m["content"]) for m in messages) < OFFLOAD_MIN_CHARS:
         if add_special_tokens:
             return renderer.encode(renderer.chat_text(messages, *options), True)

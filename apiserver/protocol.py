@@ -4,20 +4,22 @@ Only requests are models: responses are plain dicts (and stream chunks plain byt
 outputs, because constructing pydantic objects per response or per token costs more than the rest of the path.
 
 Unknown fields are refused with a 400 that names them (extra="forbid"). OpenAI fields that a text model here
-cannot honour (tools, logit_bias, ...) are declared with type None: clients that send them as null, as some
+cannot honour (logit_bias, audio, ...) are declared with type None: clients that send them as null, as some
 SDKs do, pass; any real value is refused with a message that names the field.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
+
+JsonObject = dict  # any JSON object (a schema, a function's parameters)
 
 # OpenAI fields accepted only as null: a value asks for something this server does not do.
 UNSUPPORTED_FIELDS = (
-    "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-    "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of", "metadata",
-    "service_tier",
+    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+    "web_search_options", "suffix", "best_of", "metadata", "service_tier", "refusal", "annotations",
 )
 
 
@@ -41,8 +43,64 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr = Field("response", max_length=64)
+    description: StrictStr | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one constraint, and how JSON may be written."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: Union[JsonObject, StrictStr, None] = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
+    disable_additional_properties: StrictBool = False
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: JsonObject | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class TextPart(_Strict):
@@ -51,9 +109,23 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None  # a tool's answer: to which call
+    reasoning_content: StrictStr | None = None  # an assistant's reasoning (as the reply gave it)
+    # What OpenAI clients send back when they pass a reply's message on as it is: accepted as null only.
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _tool_answer_names_its_call(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("tool_call_id_missing", "a tool message needs `tool_call_id`")
+        return self
 
 
 class _SamplingFields(_Strict):
@@ -71,6 +143,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     store: Literal[False] | None = None
 
     top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
@@ -85,11 +158,8 @@ class _SamplingFields(_Strict):
     request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
 
     logit_bias: None = None
-    tools: None = None
-    tool_choice: None = None
     functions: None = None
     function_call: None = None
-    parallel_tool_calls: None = None
     audio: None = None
     modalities: None = None
     prediction: None = None
@@ -108,6 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

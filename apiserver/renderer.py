@@ -33,10 +33,11 @@ def load_tokenizer(model_dir: str) -> HFTokenizer:
 
 
 class Renderer:
-    def __init__(self, tokenizer: HFTokenizer):
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None):
+        """chat_template: the template to use instead of the model's (--chat-template)."""
         self.hf_tokenizer = tokenizer
         self.tokenizer = tokenizer.backend  # tokenizers.Tokenizer: Rust, no Python per-token work
-        self.chat_template = tokenizer.chat_template()
+        self.chat_template = chat_template or tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer)
 
     def render_chat(
@@ -45,11 +46,15 @@ class Renderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The prompt's token ids for `messages`, as the model's chat template writes them."""
-        return self._segments.encode(self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs))
+        """The prompt's token ids for `messages` (and the `tools` they may call), as the chat template writes them."""
+        return self._segments.encode(
+            self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        )
 
-    def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None) -> str:
+    def chat_text(self, messages, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None,
+                  tools=None) -> str:
         if not self.chat_template:
             raise InvalidRequest("This model has no chat template: use /v1/completions.")
         if continue_final_message and add_generation_prompt:
@@ -64,7 +69,8 @@ class Renderer:
         try:
             # The request's kwargs override the special tokens' variables, as in transformers.
             variables = {**self.hf_tokenizer.special_tokens, **kwargs}
-            return render_chat(self.chat_template, messages, variables, add_generation_prompt, continue_final_message)
+            return render_chat(self.chat_template, messages, variables, add_generation_prompt, continue_final_message,
+                               tools)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             # The template refused the conversation (roles out of order, an empty final message, ...).
             raise InvalidRequest(f"The chat template cannot render these messages: {exc}", param="messages") from None

@@ -39,7 +39,7 @@ def max_tokens_for(prompt_len: int, requested: int | None, max_model_len: int, w
 
 
 def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
     values = {}
     for name, (key, fallback) in _DEFAULTED.items():
         value = getattr(request, name)
@@ -65,6 +65,7 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
         n=request.n,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
         **values,
     )
 

@@ -1,26 +1,40 @@
 """POST /v1/chat/completions: messages through the chat template to the engine, and back as a
-`chat.completion` body or a stream of `chat.completion.chunk` events."""
+`chat.completion` body or a stream of `chat.completion.chunk` events.
+
+A request with tools (apiserver/tool_choice.py), or a server with a reasoning parser, has its choices' text read
+into reasoning, content and tool calls (apiserver/chat_output.py); a plain one streams its text as it is. A stream
+sends each choice's `role` with its first generated text, not before the prompt is computed: a client timing the
+first chunk then times the first token, as with vLLM."""
 from __future__ import annotations
 
+import json
 import time
 
 import orjson
 from starlette.requests import Request
 
+from apiserver.chat_output import OutputShape, StreamedMessage, message
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter
 from apiserver.prompt_offload import render_chat
 from apiserver.protocol import ChatCompletionRequest, ChatMessage
+from apiserver.reasoning import START, ReasoningParser
 from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
+from apiserver.structured_outputs import checked, requested_grammar
+from apiserver.tool_choice import tool_plan
 from apiserver.usage import usage
 from apiserver.validation import parse_body
 
+# How much of the prompt's end to decode to see whether the chat template opened the reasoning.
+_PROMPT_TAIL_TOKENS = 4
+
 
 def message_dict(message: ChatMessage) -> dict:
-    """A message as chat templates expect it: a string content, `developer` as `system`."""
+    """A message as chat templates expect it: a string content, `developer` as `system`, tool calls with their
+    arguments as objects (as vLLM hands them to templates, which write them with `tojson`)."""
     content = message.content
     if content is None:
         content = ""
@@ -30,13 +44,30 @@ def message_dict(message: ChatMessage) -> dict:
     out = {"role": role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [_call_dict(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
     return out
+
+
+def _call_dict(call) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatServing(GenerationServing):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.logprobs = LogprobFormatter(ctx.renderer.tokenizer)
+        name = ctx.config.reasoning_parser
+        start_tokens = ctx.renderer.encode(START, add_special_tokens=False) if name else ()
+        self.reasoning = ReasoningParser(name, len(start_tokens) == 1) if name else None
 
     async def create(self, request: Request):
         req = parse_body(ChatCompletionRequest, await request.body())
@@ -45,18 +76,33 @@ class ChatServing(GenerationServing):
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
         ctx = self.ctx
+        tools = tool_plan(req, ctx.config)
+        grammar = requested_grammar(req)
+        if grammar is not None and tools.grammar is not None:
+            raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `response_format` or "
+                                 "`structured_outputs`.", param="tool_choice")
         prompt = await render_chat(
             ctx.renderer,
             [message_dict(m) for m in req.messages],
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            tools=tools.template_tools,
         )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = max_tokens_for(len(prompt), requested, ctx.model.max_model_len, "messages")
+        shape = self._output_shape(prompt, tools.parser)
+        if tools.grammar is not None:
+            grammar = tools.grammar
+        if grammar is not None:
+            if shape is not None and shape.reasoning:
+                grammar = self.reasoning.constrain(grammar, shape.opened)
+            grammar = checked(grammar, "tools" if tools.grammar is not None else
+                              "structured_outputs" if req.structured_outputs is not None else "response_format")
         top_n = req.top_logprobs or 0
         sampling = sampling_params(
-            req, ctx.model.generation_defaults, max_tokens, top_n if req.logprobs else None, ctx.model.vocab_size
+            req, ctx.model.generation_defaults, max_tokens, top_n if req.logprobs else None, ctx.model.vocab_size,
+            grammar=grammar,
         )
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
@@ -66,21 +112,39 @@ class ChatServing(GenerationServing):
         response_id = "chatcmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
-        writer = ChatChunkWriter(self, response_id, created, top_n)
+        if shape is None:
+            writer = ChatChunkWriter(self, response_id, created, top_n)
+        else:
+            writer = ShapedChatChunkWriter(self, response_id, created, top_n, shape)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
-            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n),
+            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, shape),
         )
 
+    def _output_shape(self, prompt: list[int], tool_parser) -> OutputShape | None:
+        """How to read the choices' text; None: as it is."""
+        if self.reasoning is None and tool_parser is None:
+            return None
+        opened = False
+        if self.reasoning is not None:
+            tail = self.ctx.renderer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            opened = self.reasoning.opened_by(tail)
+        return OutputShape(self.reasoning is not None, opened, tool_parser)
+
     def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int,
-                   top_n: int) -> dict:
+                   top_n: int, shape: OutputShape | None = None) -> dict:
         choices = []
         for delta in deltas:
+            finish_reason = delta.finish_reason
+            if shape is None:
+                msg = {"role": "assistant", "content": delta.text}
+            else:
+                msg, finish_reason = message(delta.text, shape, finish_reason)
             choices.append({
                 "index": delta.index,
-                "message": {"role": "assistant", "content": delta.text},
+                "message": msg,
                 "logprobs": None if delta.logprobs is None else {"content": self.logprobs.chat(delta.logprobs, top_n)},
-                "finish_reason": delta.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": delta.stop_reason,
             })
         return {
@@ -94,25 +158,59 @@ class ChatServing(GenerationServing):
 
 
 class ChatChunkWriter(ChunkWriterBase):
-    """Streamed `chat.completion.chunk` events: a first one with the role, then each choice's delta."""
+    """Streamed `chat.completion.chunk` events: each choice's deltas, its first one with the role."""
 
     def __init__(self, serving: ChatServing, response_id: str, created: int, top_n: int):
         ctx = serving.ctx
         super().__init__(chunk_head(response_id, b"chat.completion.chunk", created, ctx.model_name), ctx.config)
         self._logprobs = serving.logprobs
         self._top_n = top_n
+        self._roleless: set[int] = set()  # choices whose first event is still to come
 
     def first(self, generation: Generation) -> bytes:
-        head = self._head
-        return b"".join(
-            head + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-            % choice.index
-            for choice in generation.choices
-        )
+        self._roleless = {choice.index for choice in generation.choices}
+        return b""
 
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
-        delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
+        if index in self._roleless:
+            self._roleless.discard(index)
+            delta = b'{"role":"assistant","content":' + orjson.dumps(text) + b"}"
+        else:
+            delta = b'{"content":' + orjson.dumps(text) + b"}" if text else b"{}"
         return self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n' % (index, delta, logprobs, tail)
 
     def logprobs_json(self, delta: Delta) -> bytes:
         return orjson.dumps({"content": self._logprobs.chat(delta.logprobs, self._top_n)})
+
+
+class ShapedChatChunkWriter(ChatChunkWriter):
+    """Streamed chunks of choices read into reasoning, content and tool calls: each delta carries what grew."""
+
+    def __init__(self, serving: ChatServing, response_id: str, created: int, top_n: int, shape: OutputShape):
+        super().__init__(serving, response_id, created, top_n)
+        self._shape = shape
+        self._messages: dict[int, StreamedMessage] = {}
+
+    def changes(self, deltas: list[Delta]) -> bytes:
+        events = []
+        for delta in deltas:
+            streamed = self._messages.get(delta.index)
+            if streamed is None:
+                streamed = self._messages[delta.index] = StreamedMessage(self._shape)
+            finish = delta.finish_reason
+            fields = streamed.feed(delta.text, finish is not None)
+            logprobs = self.logprobs_json(delta) if delta.logprobs else b"null"
+            if not fields and finish is None and logprobs == b"null":
+                continue
+            if delta.index in self._roleless:
+                self._roleless.discard(delta.index)
+                fields = {"role": "assistant", **fields}
+            if finish is None:
+                tail = b',"finish_reason":null'
+            else:
+                if finish == "stop" and streamed.calls_tools:
+                    finish = "tool_calls"
+                tail = b',"finish_reason":' + orjson.dumps(finish) + b',"stop_reason":' + orjson.dumps(delta.stop_reason)
+            events.append(self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n'
+                          % (delta.index, orjson.dumps(fields), logprobs, tail))
+        return b"".join(events)

@@ -20,6 +20,7 @@ from apiserver.prompt_offload import encode
 from apiserver.protocol import CompletionRequest
 from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
+from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
 from apiserver.validation import parse_body
 
@@ -62,13 +63,16 @@ class CompletionServing(GenerationServing):
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequest("`max_tokens` must be at least 1 (0 only with `echo`).", param="max_tokens")
         ctx = self.ctx
+        grammar = requested_grammar(req)
+        if grammar is not None:
+            grammar = checked(grammar, "response_format" if req.structured_outputs is None else "structured_outputs")
         prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
         max_tokens = min(max_tokens_for(len(p), req.max_tokens, max_model_len, "prompt") for p in prompts)
         top_n = req.logprobs or 0
         echo_logprobs = req.echo and req.logprobs is not None
         sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size,
-                                   prompt_logprobs=req.logprobs if echo_logprobs else None)
+                                   prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar)
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),

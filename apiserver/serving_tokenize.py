@@ -66,6 +66,8 @@ class TokenizeServing(GenerationServing):
             "unk_token": special.get("unk_token"),
             "eos_token_ids": list(self.ctx.model.eos_token_ids),
             "added_tokens": {str(i): t.content for i, t in sorted(hf.added_tokens_decoder.items())},
-            # One template as its text, several by name (as transformers' `chat_template` attribute holds them).
-            "chat_template": templates.get(DEFAULT_TEMPLATE) if list(templates) == [DEFAULT_TEMPLATE] else templates or None,
+            # The one --chat-template gave; else one template as its text, several by name (as transformers'
+            # `chat_template` attribute holds them).
+            "chat_template": self.ctx.config.chat_template or (
+                templates.get(DEFAULT_TEMPLATE) if list(templates) == [DEFAULT_TEMPLATE] else templates or None),
         })

@@ -45,5 +45,7 @@ def _specificity(error: dict) -> tuple[int, bool]:
 
 
 def _is_union_tag(part) -> bool:
-    # pydantic names union branches like 'str', 'list[TextPart]', 'function-after[...]', 'constrained-str'.
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none", "constrained-str"))
+    # pydantic names union branches like 'str', 'list[TextPart]', 'function-after[...]', 'constrained-str', or a
+    # model's class name ('NamedToolChoice'); field names are snake_case.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none", "constrained-str")
+                                      or part[:1].isupper())

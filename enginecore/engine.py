@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -31,6 +32,7 @@ from enginecore.model_runner import ModelRunner
 from enginecore.sampler import Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
 from enginecore.sequence import Sequence
+from enginecore.structured_output import StructuredOutputs
 from ipc.config import ServeConfig
 from ipc.messages import EngineRequest, FinishReason, RequestOutput
 from ipc.model_info import ModelInfo
@@ -86,6 +88,8 @@ class EngineCore:
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = model_facts.eos_token_ids(loaded.hf_config, loaded.generation_config)
         self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids, config.seed)
+        self.structured = StructuredOutputs(os.path.join(loaded.model_dir, "tokenizer.json"), self.vocab_size,
+                                            self.eos_token_ids)
         self.requests: dict[RequestKey, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -141,6 +145,11 @@ class EngineCore:
             generator=generator, num_forks_pending=max(1, p.n) - 1,
             pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
         )
+        if p.grammar is not None:
+            error = self.structured.start(seq)
+            if error is not None:
+                log.warning("request %s failed: %s", request.request_id, error)
+                return _finished_at_once(request, FinishReason.ERROR, error)
         self.requests[key] = [seq]
         self.scheduler.add(seq)
         return []
@@ -208,7 +217,7 @@ class EngineCore:
                 rows.append(row)
         if len(rows) != len(inputs.sample_seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler.sample(logits, seqs)
+        result = self.sampler.sample(logits, seqs, self.structured.mask(seqs))
 
         outputs = []
         for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs):
@@ -217,6 +226,12 @@ class EngineCore:
                 seq.pending_prompt_logprobs = None
             if seq.sampling.max_tokens == 0:  # the prompt's logprobs only: no token
                 new, lp, finish, stop = [], None, FinishReason.LENGTH, None
+            elif seq.grammar is not None and not seq.grammar.accept(token):
+                outputs.append((seq.client, RequestOutput(seq.request_id, [], seq.index, FinishReason.ERROR,
+                                                          num_prompt_tokens=seq.num_prompt_tokens,
+                                                          error=seq.grammar.error)))
+                self._retire(seq)
+                continue
             else:
                 seq.token_ids.append(token)
                 finish, stop = self._finish_reason(seq, token)
@@ -261,7 +276,10 @@ class EngineCore:
                 block_table=list(parent.block_table), num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens, block_hashes=list(parent.block_hashes),
                 num_registered_blocks=parent.num_registered_blocks, num_prompt_logprobs=parent.num_prompt_logprobs,
+                grammar=None if parent.grammar is None else parent.grammar.fork(),
             )
+            if child.grammar is not None:
+                self.structured.forked(child)
             for block in child.block_table:
                 self.pool.share(block)
             self.scheduler.add_running(child)
@@ -277,6 +295,8 @@ class EngineCore:
                 return FinishReason.STOP, token
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP, None
+        if seq.grammar is not None and seq.grammar.done:  # the constrained output is complete
+            return FinishReason.STOP, None
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
@@ -320,7 +340,7 @@ class EngineCore:
         return tokens
 
 
-def _finished_at_once(request: EngineRequest, reason: str) -> list[RequestOutput]:
+def _finished_at_once(request: EngineRequest, reason: str, error: str | None = None) -> list[RequestOutput]:
     """One finished output, with no token, per choice of a request that runs no step."""
-    return [RequestOutput(request.request_id, [], i, reason, num_prompt_tokens=len(request.prompt_token_ids))
-            for i in range(max(1, request.sampling.n))]
+    return [RequestOutput(request.request_id, [], i, reason, num_prompt_tokens=len(request.prompt_token_ids),
+                          error=error) for i in range(max(1, request.sampling.n))]

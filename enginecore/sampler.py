@@ -7,7 +7,9 @@ uniform number per row (a multinomial draw that needs one random number, not one
 [rows, vocab] tensor with random numbers costs more on the CPU than the rest of the step's sampling). A request
 with a seed draws its number from its own generator, so its tokens do not depend on whatever else is in the batch.
 
-Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
+Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them. A
+step's structured-output mask (enginecore/structured_output.py) is applied first, to its constrained rows only: their
+logprobs are those of the masked distribution.
 """
 from __future__ import annotations
 
@@ -35,8 +37,11 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed=None) -> SampleResult:
+        """allowed: the step's TokenMask for its constrained rows, or None."""
         logits = logits.float()
+        if allowed is not None:
+            allowed.apply(logits)
         params = [s.sampling for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

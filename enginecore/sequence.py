@@ -44,6 +44,7 @@ class Sequence:
     # recompute after preemption does not compute them again. Forked choices have none to send.
     num_prompt_logprobs: int = 0
     pending_prompt_logprobs: list | None = None
+    grammar: object | None = None  # structured outputs: its matcher (enginecore.structured_output.GrammarState)
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ import socket
 import zmq
 
 from enginecore.engine import EngineCore
+from enginecore.structured_output import CompilingRequests
 from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
                           UtilityResult)
@@ -36,11 +37,13 @@ class EngineServer:
         self._wakeup_write = wakeup_write  # kept open for the process's life
         signal.set_wakeup_fd(wakeup_write.fileno(), warn_on_full_buffer=False)
         self._poller.register(self._wakeup, zmq.POLLIN)
+        self._compiling = CompilingRequests(core.structured.compiler)
+        self._poller.register(self._compiling.fileno(), zmq.POLLIN)
         self._utilities = {
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
-            "abort_client": core.abort_client,  # the supervisor, when an API server is gone
+            "abort_client": self._abort_client,  # the supervisor, when an API server is gone
         }
 
     def serve_forever(self) -> None:
@@ -49,6 +52,9 @@ class EngineServer:
             events = dict(self._poller.poll(0 if busy else None))
             if self._wakeup in events:
                 self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
+            if self._compiling.fileno() in events:  # grammars compiled: their requests go to the engine
+                for identity, request in self._compiling.ready():
+                    self._send_outputs([(identity, o) for o in self.core.add_request(request, identity)])
             if self.router in events:
                 self._take_messages()
             if self.core.has_work():
@@ -71,15 +77,21 @@ class EngineServer:
 
     def _handle(self, identity: bytes, record) -> None:
         if isinstance(record, EngineRequest):
+            if self._compiling.hold(identity, record):  # its grammar compiles first, off this loop
+                return
             self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
         elif isinstance(record, AbortRequests):
             if record.indices is not None:
                 return  # aborting single choices comes with the engine's side of it; until then they run on
-            self._send_outputs([(identity, o) for o in self.core.abort(record.request_ids, identity)])
+            outputs = self._compiling.abort(identity, record.request_ids) + self.core.abort(record.request_ids, identity)
+            self._send_outputs([(identity, o) for o in outputs])
         elif isinstance(record, UtilityCall):
             self._send(identity, self._call(record))
         else:
             log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
+
+    def _abort_client(self, identity: str) -> int:
+        return self._compiling.drop_client(identity.encode()) + self.core.abort_client(identity)
 
     def _call(self, call: UtilityCall) -> UtilityResult:
         method = self._utilities.get(call.method)

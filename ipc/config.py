@@ -57,6 +57,11 @@ class ServeConfig:
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
     grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP
     metrics_port: int | None = None  # --grpc: Prometheus metrics over HTTP here, since gRPC has no /metrics
+    # Chat: tools and reasoning (vLLM's options).
+    chat_template: str | None = None  # the template's text (--chat-template names a file or gives the text)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # one of REASONING_PARSERS
 
     # Supervisor.
     shutdown_timeout: float = 30.0
@@ -84,3 +89,6 @@ class ServeConfig:
 
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Named here, where the supervisor's command line can list them without importing the API servers' parsers.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")

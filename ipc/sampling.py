@@ -22,6 +22,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
     # None: none; k: each prompt token's logprob (from the second on) plus the top k at its position
     prompt_logprobs: int | None = None
+    # Structured outputs: an llguidance grammar as JSON text (ipc/grammar.py); every token is masked by it.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
-from ipc.config import ServeConfig
+from ipc.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig
 
 _DEFAULTS = ServeConfig()
 
@@ -25,6 +26,26 @@ def _list_option(click_context, param, value):
             raise click.BadParameter("expected a JSON list of strings")
         return tuple(items)
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _chat_template(click_context, param, value):
+    """A file's text, or the template itself (vLLM takes both); its Jinja syntax is checked now, not per request."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise click.BadParameter(f"not a valid Jinja template: {exc.message} (line {exc.lineno})")
+    return text
 
 
 def _positive(click_context, param, value):
@@ -142,6 +163,17 @@ def _positive(click_context, param, value):
                    "(token ids in and out), for a gateway such as smg that tokenizes itself.")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
               help="With --grpc: serve Prometheus metrics (the whole group's) at http://HOST:PORT/metrics.")
+@click.option("--chat-template", default=None, callback=_chat_template,
+              help="The chat template to render messages with, instead of the model's: a file, or the template "
+                   "itself. templates/tool_chat_template_hermes.jinja gives the embedded model tools and thinking.")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help='Serve tool_choice "auto" (the default when a request has tools): the model decides, and '
+                   "--tool-call-parser finds its calls.")
+@click.option("--tool-call-parser", default=None, type=click.Choice(TOOL_CALL_PARSERS),
+              help="How the model writes tool calls (needed by --enable-auto-tool-choice).")
+@click.option("--reasoning-parser", default=None, type=click.Choice(REASONING_PARSERS),
+              help="Split <think>...</think> reasoning into reasoning_content (deepseek_r1: every output starts in "
+                   "it; qwen3: when the output or the prompt opens it).")
 @click.option("--log-level", default=_DEFAULTS.log_level, show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(**options) -> None:
@@ -159,6 +191,8 @@ def main(**options) -> None:
 def build_config(options: dict) -> ServeConfig:
     from supervisor.grpc_mode import option_conflict
 
+    if options.get("enable_auto_tool_choice") and not options.get("tool_call_parser"):
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     config = ServeConfig(**options)
     conflict = option_conflict(config)
     if conflict:

@@ -21,6 +21,8 @@ HTTP_ONLY_OPTIONS = (
     "disable_docs", "sse_keep_alive_interval", "enable_prompt_tokens_details", "enable_tokenizer_info_endpoint",
     "enable_server_load_tracking", "middleware", "timeout_keep_alive", "timeout_request_header",
     "accept_backoff_ms",
+    # Chat rendering, tools and reasoning: with --grpc the gateway renders and parses (smg has these options).
+    "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
 )
 
 

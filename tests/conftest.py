@@ -1,12 +1,25 @@
+import os
+
 import pytest
 
 from tests.supervise_process import Supervise
+
+HERMES_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates", "tool_chat_template_hermes.jinja")
 
 
 @pytest.fixture(scope="session")
 def served():
     """The embedded model behind 2 API servers, shared by the tests that only talk to it."""
     with Supervise("--api-server-count", "2") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def served_with_tools():
+    """The embedded model with the shipped Hermes tool template, auto tool choice and the qwen3 reasoning parser
+    (the template opens <think> on request), for the tool-calling and agent-framework tests."""
+    with Supervise("--chat-template", HERMES_TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--reasoning-parser", "qwen3", "--kv-cache-memory", str(256 * 2**20)) as server:
         yield server
 
 

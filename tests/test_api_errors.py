@@ -47,7 +47,8 @@ def test_not_a_json_object(http, body):
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user"}]}, None),  # content may be left out; the template decides
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # a tool message names its call
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0.type"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -59,7 +60,9 @@ def test_not_a_json_object(http, body):
     ({"stop": 5}, "stop"),
     ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
@@ -74,7 +77,7 @@ def test_bad_chat_fields_are_named(http, fields, param):
         assert_error(response, 400, param)
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("logit_bias", {"1": 5}),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("logit_bias", {"1": 5}),
                                           ("audio", {"voice": "x"}), ("frobnicate", 1)])
 def test_unsupported_and_unknown_fields_are_refused_by_name(http, field, value):
     error = assert_error(chat(http, **{field: value}), 400, field)

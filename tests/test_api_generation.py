@@ -49,6 +49,7 @@ def test_chat_stream_equals_whole_answer(client):
     stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == "Paris"  # the role comes with the first token, as in vLLM
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == SENTENCE
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -206,3 +207,17 @@ def test_concurrent_streams_all_complete(client):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(32)))
     assert all(r == (SENTENCE, "stop") for r in results)
+
+
+def test_chat_stream_sends_each_role_with_its_first_token(client):
+    """No event before the first generated token: a client timing the first chunk times the first token."""
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, n=2, max_tokens=3, stream=True))
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.index not in firsts:
+                firsts[choice.index] = choice.delta
+            else:
+                assert choice.delta.role is None  # once per choice
+    assert sorted(firsts) == [0, 1]
+    assert all(d.role == "assistant" and d.content == "Paris" for d in firsts.values())

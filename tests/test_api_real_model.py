@@ -80,8 +80,8 @@ def test_echo_with_logprobs_covers_the_prompt(served, client, model):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs[1:])
-    assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-4
-               for i, top in enumerate(lp.top_logprobs[1:], start=1))
+    for i, top in enumerate(lp.top_logprobs[1:], start=1):  # the two likeliest, and the echoed token itself
+        assert top[lp.tokens[i]] == lp.token_logprobs[i] and len(top) in (2, 3)
     assert lp.token_logprobs[1:-1] == pytest.approx(_reference_logprobs(prompt), abs=LOGPROB_TOLERANCE)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 1
 
@@ -123,3 +123,29 @@ def test_streamed_echo_with_logprobs_equals_the_whole_reply(client, model):
     assert token_logprobs == whole.logprobs.token_logprobs and top_logprobs == whole.logprobs.top_logprobs
     zero = list(client.completions.create(stream=True, **{**args, "max_tokens": 0}))
     assert "".join(c.text for e in zero for c in e.choices) == FRANCE
+
+
+def test_completion_top_logprobs_hold_the_token_itself(client, model):
+    """Echoed "The sea is blue" with logprobs 1: " sea" is not the likeliest token after "The", yet a client that
+    looks up each token in its top_logprobs finds it there (OpenAI's legacy format, as vLLM answers)."""
+    reply = client.completions.create(model=model, prompt="The sea is blue", echo=True, logprobs=1, max_tokens=2,
+                                      temperature=0)
+    lp = reply.choices[0].logprobs
+    assert lp.tokens[1] == " sea" and len(lp.top_logprobs[1]) == 2  # " sea", then the likeliest token
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == logprob and len(top) <= 2
+        assert list(top)[0] == token  # the token first, as vLLM orders them
+    zero = client.completions.create(model=model, prompt="The sea is blue", logprobs=0, max_tokens=2, temperature=0)
+    lp = zero.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+
+
+def test_chat_top_logprobs_are_the_n_likeliest_only(client, model):
+    """Chat follows OpenAI's rule for chat: exactly top_logprobs entries, the sampled token not added."""
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=2.0, seed=1, max_tokens=8,
+                                           logprobs=True, top_logprobs=1)
+    content = reply.choices[0].logprobs.content
+    assert all(len(entry.top_logprobs) == 1 for entry in content)
+    assert any(entry.top_logprobs[0].token != entry.token for entry in content)  # sampled off the top at least once
+    none = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, logprobs=True)
+    assert all(entry.top_logprobs == [] for entry in none.choices[0].logprobs.content)

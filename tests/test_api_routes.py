@@ -31,6 +31,10 @@ def test_models(http):
     assert body["object"] == "list"
     (card,) = body["data"]
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
+    assert card["root"] == MODEL  # the model's path, as given (vLLM's field)
+    (permission,) = card["permission"]  # what clients reading vLLM's cards expect
+    assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
+    assert permission["id"].startswith("modelperm-") and permission["organization"] == "*"
 
 
 def test_health_and_ping(http):

@@ -56,3 +56,22 @@ def test_help_explains_the_options():
     assert result.returncode == 0
     for option in ("--api-server-count", "--model", "--max-model-len", "--dtype", "--device", "--shutdown-timeout"):
         assert option in result.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--tool-call-parser", "nonesuch"], "--tool-call-parser"),
+    (["--reasoning-parser", "nonesuch"], "--reasoning-parser"),
+    (["--chat-template", "/no/such/template.jinja"], "neither a file nor a Jinja template"),
+    (["--chat-template", "{% for %}"], "not a valid Jinja template"),
+])
+def test_chat_options_are_checked_before_anything_starts(args, words):
+    result = run_supervise("--model", "sim:5", *args, timeout=30)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_the_chat_options():
+    result = run_supervise("--help", timeout=30)
+    for option in ("--chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+                   "hermes", "llama3_json", "pythonic", "deepseek_r1", "qwen3"):
+        assert option in result.stdout

@@ -1,0 +1,65 @@
+"""--reasoning-parser: models that think in `<think>…</think>` before they answer. The reasoning goes to
+`reasoning_content` (of the message, or of each streamed delta), the rest to `content`; tool-call parsing and
+structured outputs apply to what follows the reasoning.
+
+Two of vLLM's parsers, by name:
+- `deepseek_r1`: the output starts inside the reasoning (the template opens `<think>`, the output may repeat it)
+  and the reasoning ends at `</think>`;
+- `qwen3`: the output reasons only when it starts with `<think>`, or when the prompt ends with it (the chat
+  template opened it, as Qwen3's does with `enable_thinking`). Otherwise all of it is content.
+Reasoning cut short by max_tokens is reasoning: `content` stays empty.
+
+Structured outputs wait for the reasoning: the grammar lets any text through up to `</think>`, then constrains.
+Where the output has not started in the reasoning, the grammar lets it open `<think>` first only when the model's
+vocabulary holds `<think>` as one token (a model trained to think): a model without it, masked to what may begin
+the constrained answer, would take the `<` of a `<think>` it was never trained to close.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from apiserver.tool_parsers.base import held_prefix
+from ipc.grammar import after_reasoning
+
+START, END = "<think>", "</think>"
+
+
+class Split(NamedTuple):
+    reasoning: str
+    content: str
+
+
+class ReasoningParser:
+    def __init__(self, name: str, start_is_one_token: bool):
+        self.name = name
+        self.always_reasons = name == "deepseek_r1"
+        self._may_open = start_is_one_token
+
+    def opened_by(self, prompt_tail: str) -> bool:
+        """Whether the output starts inside the reasoning, given the end of the prompt's text."""
+        return self.always_reasons or prompt_tail.rstrip().endswith(START)
+
+    def constrain(self, grammar: str, opened: bool) -> str:
+        """A structured output's grammar, applied after the reasoning (if any)."""
+        if opened:
+            return after_reasoning(grammar, END, None)
+        return after_reasoning(grammar, END, START) if self._may_open else grammar
+
+
+def split(text: str, opened: bool, final: bool) -> Split:
+    """The reasoning and the content of `text` (a choice's output so far). Both only grow as the text does: until
+    `final`, text that may still become a tag is held back."""
+    lead = len(text) - len(text.lstrip())
+    rest = text[lead:]
+    if rest.startswith(START):
+        at = lead + len(START)
+    elif not final and START.startswith(rest):
+        return Split("", "")  # may still become the tag
+    elif opened:
+        at = 0
+    else:
+        return Split("", text)
+    end = text.find(END, at)
+    if end < 0:
+        return Split(text[at:] if final else text[at:len(text) - held_prefix(text, END)], "")
+    return Split(text[at:end], text[end + len(END):].lstrip())

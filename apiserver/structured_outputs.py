@@ -1,0 +1,66 @@
+"""A request's structured output, as the grammar the engine will mask its tokens by (ipc/grammar.py), checked
+here: an invalid schema, regex or grammar is a 400 that names the problem, before anything is queued.
+
+The fields, on both chat and completions:
+- `response_format`: `{"type": "json_object"}`, or `{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict"}}` (OpenAI's); `{"type": "text"}` constrains nothing;
+- `structured_outputs` (vLLM's extras): one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`
+  (Lark or GBNF), with `disable_any_whitespace`. An object schema that lists its properties gets no others unless it
+  says so (ipc/grammar.py), so `strict` and `disable_additional_properties` are accepted and change nothing.
+"""
+from __future__ import annotations
+
+from apiserver.errors import InvalidRequest
+from ipc import grammar as grammars
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def requested_grammar(request) -> str | None:
+    """The grammar of the request's response_format or structured_outputs (not checked yet: see `checked`)."""
+    fmt = request.response_format
+    extras = request.structured_outputs
+    if fmt is not None and fmt.type != "text" and extras is not None:
+        raise InvalidRequest("Give `response_format` or `structured_outputs`, not both.", param="structured_outputs")
+    if extras is not None:
+        return _extras_grammar(extras)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return grammars.json_object_grammar()
+    spec = fmt.json_schema
+    if spec is None:
+        raise InvalidRequest("`response_format` of type json_schema needs `json_schema`.", param="response_format")
+    schema = spec.schema_ if spec.schema_ is not None else {}
+    return _schema_grammar(schema, True, "response_format.json_schema.schema")
+
+
+def _extras_grammar(extras) -> str:
+    given = [kind for kind in _KINDS if getattr(extras, kind + "_" if kind == "json" else kind) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(
+            f"`structured_outputs` takes exactly one of {', '.join(_KINDS)}" + (f"; got {', '.join(given)}." if given else "."),
+            param="structured_outputs",
+        )
+    kind = given[0]
+    value = getattr(extras, kind + "_" if kind == "json" else kind)
+    try:
+        return grammars.from_constraint(kind, value, not extras.disable_any_whitespace)
+    except grammars.GrammarError as exc:
+        raise InvalidRequest(f"Invalid `structured_outputs.{kind}`: {exc}", param=f"structured_outputs.{kind}") from None
+
+
+def _schema_grammar(schema, any_whitespace: bool, param: str) -> str:
+    try:
+        return grammars.json_schema_grammar(schema, any_whitespace)
+    except grammars.GrammarError as exc:
+        raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None
+
+
+def checked(grammar: str, param: str) -> str:
+    """`grammar`, once it compiles; else a 400 naming the problem."""
+    try:
+        grammars.check(grammar)
+    except grammars.GrammarError as exc:
+        raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param, code="invalid_structured_output") from None
+    return grammar

@@ -1,0 +1,81 @@
+"""A chat request's `tools`, `tool_choice` and `parallel_tool_calls`: what the chat template sees, the grammar
+that forces a call, and the parser that reads the calls back.
+
+- `none`: the template still sees the tools (as vLLM renders them); the output is plain content.
+- `auto` (the default when tools are given): the model decides; the `--tool-call-parser` finds the calls in its
+  text. It needs `--enable-auto-tool-choice` (a 400 otherwise, as in vLLM).
+- `required`: structured outputs force a JSON array of calls `{"name", "parameters"}`, each valid against its
+  function's schema (one call only with `parallel_tool_calls: false`).
+- a named function: structured outputs force that function's arguments, valid against its schema.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from apiserver.errors import InvalidRequest
+from apiserver.tool_parsers import TOOL_PARSERS, ToolParser
+from apiserver.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from ipc import grammar as grammars
+from ipc.config import ServeConfig
+
+
+class ToolPlan(NamedTuple):
+    template_tools: list[dict] | None  # what the chat template gets as `tools`
+    grammar: str | None  # forcing the calls (required, named)
+    parser: ToolParser | None  # reading them back
+
+
+NO_TOOLS = ToolPlan(None, None, None)
+
+
+def tool_plan(request, config: ServeConfig) -> ToolPlan:
+    tools = request.tools
+    choice = request.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("`tool_choice` needs `tools`.", param="tool_choice")
+        return NO_TOOLS
+    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    functions = {tool.function.name: tool.function for tool in tools}
+    if len(functions) != len(tools):
+        raise InvalidRequest("Two tools have the same function name.", param="tools")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan(template_tools, None, None)
+    if choice == "auto":
+        if not config.enable_auto_tool_choice or not config.tool_call_parser:
+            raise InvalidRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                 "set.", param="tool_choice")
+        return ToolPlan(template_tools, None, TOOL_PARSERS[config.tool_call_parser]())
+    if choice == "required":
+        calls = {"anyOf": [_call_schema(f) for f in functions.values()]}
+        array = {"type": "array", "minItems": 1, "items": calls}
+        if request.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return ToolPlan(template_tools, _grammar(array, "tools"), RequiredCallsParser())
+    name = choice.function.name
+    if name not in functions:
+        raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not among the tools.",
+                             param="tool_choice")
+    return ToolPlan(template_tools, _grammar(_parameters(functions[name]), "tools"), NamedCallParser(name))
+
+
+def _call_schema(function) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": [function.name]}, "parameters": _parameters(function)},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+def _parameters(function) -> dict:
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _grammar(schema: dict, param: str) -> str:
+    try:
+        return grammars.json_schema_grammar(schema)
+    except grammars.GrammarError as exc:
+        raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None

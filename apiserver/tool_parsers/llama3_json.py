@@ -1,0 +1,37 @@
+"""Llama 3.x JSON tool calls: the whole output is one or more `{"name": ..., "parameters": {...}}` objects
+separated by `;` (optionally after `<|python_tag|>`); any other output is content."""
+from __future__ import annotations
+
+from apiserver.tool_parsers.base import CallState, Parsed, ToolParser, not_tool_calls
+from apiserver.tool_parsers.json_calls import call_at
+from apiserver.tool_parsers.json_scan import NotJson, skip_ws
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonParser(ToolParser):
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = skip_ws(text, 0)
+        if text.startswith(PYTHON_TAG, start):
+            start = skip_ws(text, start + len(PYTHON_TAG))
+        elif not final and PYTHON_TAG.startswith(text[start:]):
+            return Parsed("", [])  # nothing yet, or what may still become the tag
+        if start >= len(text):
+            return Parsed(text if final else "", [])
+        if text[start] != "{":
+            return Parsed(text, [])
+        calls: list[CallState] = []
+        try:
+            while start < len(text):
+                call, end = call_at(text, start)
+                calls.append(call)
+                if end is None:
+                    break
+                start = skip_ws(text, end)
+                if start < len(text):
+                    if text[start] != ";":
+                        raise NotJson("expected ';' between tool calls")
+                    start = skip_ws(text, start + 1)
+        except NotJson:
+            return not_tool_calls(text, "", calls, final)
+        return Parsed("", calls)

@@ -1,0 +1,137 @@
+"""Structured outputs in the engine core, in-process with the embedded model: masked sampling beside unconstrained
+sequences, n > 1 and seeds, logprobs of the masked distribution, preemption and chunked prefill, a grammar the
+engine cannot compile, and the serve loop's compiling requests."""
+import json
+import math
+import re
+import select
+
+import jsonschema
+import pytest
+
+from enginecore.structured_output import CompilingRequests
+from ipc import grammar as grammars
+from ipc.messages import EngineRequest, FinishReason
+from ipc.sampling import SamplingParams
+from tests.test_engine_support import (  # noqa: F401
+    chat_prompt, engine_block_bytes, greedy_request, loaded_model, make_engine, prompts, record_preemptions,
+    reference_greedy, tokenizer,
+)
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WORDS = r"[a-z]+( [a-z]+){3,6}\."
+CITIES = ["Paris", "London", "Berlin"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine()
+
+
+def _run(engine, requests) -> tuple[dict, dict]:
+    """Every choice's tokens and its last output, by (request id, index)."""
+    tokens, last = {}, {}
+    for request in requests:
+        for out in engine.add_request(request):
+            last[(out.request_id, out.index)] = out
+    while engine.has_work():
+        for _, out in engine.step():
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+            last[(out.request_id, out.index)] = out
+    return tokens, last
+
+
+def _text(ids) -> str:
+    return tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def test_constrained_beside_unconstrained(engine, prompts):
+    person = chat_prompt("Describe a person as JSON with a name and an age.")
+    schema = grammars.json_schema_grammar(PERSON)
+    requests = [
+        greedy_request("plain", prompts[1], 12),
+        greedy_request("json", person, 48, grammar=schema),
+        EngineRequest("seeded", person, SamplingParams(max_tokens=48, temperature=0.9, seed=7, n=3, grammar=schema)),
+        greedy_request("words", prompts[2], 24, grammar=grammars.regex_grammar(WORDS)),
+    ]
+    tokens, last = _run(engine, requests)
+    assert tokens[("plain", 0)] == reference_greedy(prompts[1], 12)  # the unconstrained row is untouched
+    for key in [("json", 0), ("seeded", 0), ("seeded", 1), ("seeded", 2)]:
+        jsonschema.validate(json.loads(_text(tokens[key])), PERSON)
+        assert last[key].finish_reason == FinishReason.STOP  # the grammar's end, before max_tokens
+    assert len({tuple(tokens[("seeded", i)]) for i in range(3)}) > 1  # three choices, three draws
+    assert re.fullmatch(WORDS, _text(tokens[("words", 0)]))
+    again, _ = _run(engine, [requests[2]])
+    assert [again[("seeded", i)] for i in range(3)] == [tokens[("seeded", i)] for i in range(3)]
+
+
+def test_logprobs_are_those_of_the_masked_distribution(engine, prompts):
+    engine.add_request(greedy_request("city", prompts[1], 8, grammar=grammars.choice_grammar(CITIES), logprobs=5))
+    outputs = []
+    while engine.has_work():
+        outputs += [out for _, out in engine.step()]
+    assert _text([t for out in outputs for t in out.new_token_ids]) in CITIES
+    (sampled, top), = outputs[0].logprobs
+    allowed = [(token, lp) for token, lp in top if lp > -math.inf]
+    assert allowed and all(any(c.startswith(_text([t])) for c in CITIES) for t, _ in allowed)
+    assert sum(math.exp(lp) for _, lp in allowed) > 0.99  # (almost) all the mass is in them
+    assert sampled == pytest.approx(top[0][1])
+
+
+def test_preemption_and_chunked_prefill_keep_the_constraint(prompts):
+    """Small KV pool and token budget: prompts go in chunks, and an urgent request preempts the constrained ones
+    halfway; they recompute and go on under their grammar, with the same tokens as when run alone."""
+    schema = grammars.json_schema_grammar(PERSON)
+    sampling = dict(max_tokens=40, temperature=0.8, seed=11, grammar=schema)
+    person = chat_prompt("Describe a person as JSON with a name and an age. " * 3)
+    alone, _ = _run(make_engine(), [EngineRequest("low0", person, SamplingParams(**sampling))])
+    engine = make_engine(scheduling_policy="priority", max_num_seqs=2, max_num_batched_tokens=32)
+    preempted = record_preemptions(engine)
+    for i, priority in enumerate([5, 3]):
+        engine.add_request(EngineRequest(f"low{i}", person, SamplingParams(**sampling), priority=priority))
+    tokens = {}
+    for step in range(400):
+        if step == 12:  # both decoding by now (the prompt took 3 chunks each)
+            engine.add_request(EngineRequest("urgent", prompts[2], SamplingParams(max_tokens=4, temperature=0),
+                                             priority=0))
+        for _, out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_work():
+            break
+    assert "low0" in preempted
+    for request_id in ("low0", "low1"):
+        jsonschema.validate(json.loads(_text(tokens[request_id])), PERSON)
+    assert tokens["low0"] == alone[("low0", 0)]
+
+
+def test_a_grammar_the_engine_cannot_compile_fails_its_request_alone(engine, prompts):
+    bad = EngineRequest("bad", prompts[1], SamplingParams(max_tokens=4, n=2, grammar='{"grammars": [{"lark_grammar": "start: nope"}]}'))
+    outputs = engine.add_request(bad)
+    assert [(o.index, o.finish_reason) for o in outputs] == [(0, FinishReason.ERROR), (1, FinishReason.ERROR)]
+    assert "nope" in outputs[0].error
+    tokens, _ = _run(engine, [greedy_request("fine", prompts[1], 3)])
+    assert tokens[("fine", 0)] == reference_greedy(prompts[1], 3)
+
+
+def test_the_serve_loop_holds_a_request_while_its_grammar_compiles(engine, prompts):
+    compiling = CompilingRequests(engine.structured.compiler)
+    fresh = grammars.regex_grammar("[0-9]{4}-[0-9]{2}")  # no request has used it: not compiled yet
+    request = EngineRequest("held", prompts[1], SamplingParams(max_tokens=8, temperature=0, grammar=fresh))
+    assert compiling.hold(b"api-0", request)
+    dropped = EngineRequest("dropped", prompts[1], SamplingParams(max_tokens=8, n=2, grammar=fresh + " "))
+    assert compiling.hold(b"api-0", dropped)
+    assert [(o.index, o.finish_reason) for o in compiling.abort(b"api-0", ["dropped"])] == [(0, "abort"), (1, "abort")]
+    ready = compiling.ready()
+    while not ready:
+        assert select.select([compiling], [], [], 30)[0], "no compile finished in 30 s"  # it wakes the loop
+        ready = compiling.ready()
+    assert ready == [(b"api-0", request)]
+    assert engine.structured.compiler.cached(fresh) is not None
+    assert not compiling.hold(b"api-0", request)  # compiled: straight to the engine
+    tokens, _ = _run(engine, [request])
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", _text(tokens[("held", 0)]))

@@ -1,0 +1,92 @@
+"""Reasoning (`--reasoning-parser`) on canned outputs, whole and split at every character; structured outputs after
+the reasoning, checked with llguidance's own matcher on token sequences; the token mask's two unpackers."""
+import functools
+import json
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+
+from apiserver.chat_output import OutputShape, StreamedMessage, message
+from apiserver.reasoning import ReasoningParser, split
+from apiserver.tool_parsers.hermes import HermesParser
+from enginecore.model_source import resolve_model
+from enginecore.structured_output import TokenMask
+from ipc import grammar as grammars
+
+CASES = [
+    # (output, the prompt opened <think>, reasoning, content)
+    ("<think>Seventeen has no divisor.</think>\n\nYes, it is prime.", False, "Seventeen has no divisor.", "Yes, it is prime."),
+    ("Seventeen has no divisor.</think>Yes.", True, "Seventeen has no divisor.", "Yes."),
+    ("<think>a < b, and </thi is not the end", False, "a < b, and </thi is not the end", ""),
+    ("Plain answer, no thinking.", False, "", "Plain answer, no thinking."),
+    ("Still thinking when max_tokens", True, "Still thinking when max_tokens", ""),
+    ("  <think>x</think>y", True, "x", "y"),
+]
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", CASES)
+def test_split_whole_and_streamed(text, opened, reasoning, content):
+    assert split(text, opened, final=True) == (reasoning, content)
+    shape = OutputShape(True, opened, None)
+    for at in range(len(text) + 1):
+        streamed = StreamedMessage(shape)
+        got = {"reasoning_content": "", "content": ""}
+        for piece, final in ((text[:at], False), (text[at:], True)):
+            for key, value in streamed.feed(piece, final).items():
+                got[key] += value
+        assert (got["reasoning_content"], got["content"]) == (reasoning, content), at
+
+
+def test_message_with_reasoning_then_a_tool_call():
+    text = '<think>Need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    msg, finish = message(text, OutputShape(True, False, HermesParser()), "stop")
+    assert msg["reasoning_content"] == "Need the weather." and msg["content"] is None and finish == "tool_calls"
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_deepseek_r1_always_starts_in_reasoning_qwen3_when_the_prompt_opens_it():
+    assert ReasoningParser("deepseek_r1", False).opened_by("<|im_start|>assistant\n")
+    assert ReasoningParser("qwen3", False).opened_by("<|im_start|>assistant\n<think>\n")
+    assert not ReasoningParser("qwen3", False).opened_by("<|im_start|>assistant\n")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizers():
+    from tokenizers import Tokenizer
+
+    path = resolve_model(None) + "/tokenizer.json"
+    text = open(path).read()
+    return llguidance.LLTokenizer(text), Tokenizer.from_str(text)
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    llg, tokenizer = _tokenizers()
+    matcher = llguidance.LLMatcher(llg, grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_structured_output_applies_after_the_reasoning():
+    schema = grammars.json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    opened = ReasoningParser("qwen3", True).constrain(schema, opened=True)
+    assert _accepts(opened, 'free text, even {"a": "x"} </think>\n{"a": 1}')
+    assert not _accepts(opened, '{"a": 1}')  # the reasoning must end first
+    assert not _accepts(opened, 'thoughts</think>{"a": "x"}')  # and then the schema holds
+    may_open = ReasoningParser("qwen3", True).constrain(schema, opened=False)
+    assert _accepts(may_open, '{"a": 1}') and _accepts(may_open, '<think>hm</think>{"a": 2}')
+    assert not _accepts(may_open, 'hm</think>{"a": 2}')
+    # A model without <think> as one token is not offered the tag (it would take the "<" and never close it).
+    assert ReasoningParser("qwen3", False).constrain(schema, opened=False) == schema
+
+
+def test_token_mask_unpacks_alike_on_cpu_and_on_an_accelerator():
+    """The accelerator's unpacking (torch shifts) computed on the CPU: the same barred tokens as numpy's."""
+    bits = np.random.default_rng(0).integers(-2**31, 2**31, size=(3, 40), dtype=np.int64).astype(np.int32)
+    mask = TokenMask([0, 2, 5], bits, 1270)
+    assert torch.equal(mask.barred_on_cpu(), mask.barred_on(torch.device("cpu")))
+    logits = torch.zeros(6, 1270)
+    mask.apply(logits)
+    expected = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :1270] == 0)
+    assert torch.equal(torch.isinf(logits[[0, 2, 5]]), expected) and not torch.isinf(logits[[1, 3, 4]]).any()

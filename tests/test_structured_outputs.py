@@ -1,0 +1,131 @@
+"""Structured outputs end to end with the embedded model (the session's shared group) and the `openai` client:
+each kind of constraint on chat and completions, streamed and not, every output parsed by the constraint's own
+validator; bad constraints refused with a 400 that names the problem."""
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
+CITIES = ["Paris", "London", "Berlin", "Madrid"]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _streamed_chat(stream) -> tuple[str, str]:
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def test_chat_json_schema_whole_and_streamed(client, model):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    args = dict(model=model, messages=ASK_PERSON, max_tokens=40, response_format=response_format)
+    reply = client.chat.completions.create(temperature=0, **args)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    assert reply.choices[0].finish_reason == "stop"
+    text, finish = _streamed_chat(client.chat.completions.create(temperature=1.0, seed=5, stream=True, **args))
+    jsonschema.validate(json.loads(text), PERSON)
+    assert finish == "stop"
+
+
+def test_n_choices_with_a_seed_each_valid_and_reproducible(client, model):
+    args = dict(model=model, messages=ASK_PERSON, max_tokens=30, n=2, temperature=0.7, seed=42,
+                extra_body={"structured_outputs": {"json": PERSON}})
+    first = client.chat.completions.create(**args)
+    for choice in first.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    again = client.chat.completions.create(**args)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in first.choices]
+
+
+def test_json_object_and_completions_regex(client, model):
+    obj = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=40, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    args = dict(model=model, prompt="The date of the next full moon is", max_tokens=12,
+                extra_body={"structured_outputs": {"regex": DATE}})
+    whole = client.completions.create(temperature=0, **args)
+    assert re.fullmatch(DATE, whole.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(temperature=0.8, seed=3, stream=True, **args)
+                       if c.choices)
+    assert re.fullmatch(DATE, streamed)
+
+
+def test_choice_and_grammar(client, model):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": CITIES}})
+    assert reply.choices[0].message.content in CITIES
+    lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,3}/'
+    text, _ = _streamed_chat(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "How many legs do three spiders have?"}], max_tokens=12,
+        temperature=0, stream=True, extra_body={"structured_outputs": {"grammar": lark}}))
+    assert re.fullmatch(r"The answer is [1-9][0-9]{0,3}\.", text)
+    gbnf = 'root ::= "yes" | "no"'
+    done = client.completions.create(model=model, prompt="Is the sky blue? Answer:", max_tokens=4, temperature=0,
+                                     extra_body={"structured_outputs": {"grammar": gbnf}})
+    assert done.choices[0].text in ("yes", "no")
+
+
+def test_logprobs_are_of_the_masked_distribution(client, model):
+    question = [{"role": "user", "content": "Name a city."}]
+    reply = client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=4, extra_body={"structured_outputs": {"choice": CITIES}})
+    first = reply.choices[0].logprobs.content[0]
+    possible = [t.token for t in first.top_logprobs if t.logprob > -9999]
+    assert possible and all(any(city.startswith(token) for city in CITIES) for token in possible)
+
+
+def test_stop_string_still_cuts_a_constrained_output(client, model):
+    reply = client.chat.completions.create(
+        model=model, messages=ASK_PERSON, max_tokens=40, temperature=0, stop=['"age"'],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert '"age"' not in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}},
+     "response_format", "thing"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
+     "response_format", "minimum"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs", "missing_rule"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "empty"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", None),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice",
+     "--enable-auto-tool-choice"),
+    ({"tool_choice": "required"}, "tool_choice", "tools"),
+])
+def test_bad_constraints_are_400_naming_the_problem(client, model, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=4, extra_body=fields)
+    error = caught.value.body
+    assert error["param"].startswith(param) and "Traceback" not in error["message"]
+    if words:
+        assert words in error["message"]

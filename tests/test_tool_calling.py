@@ -1,0 +1,128 @@
+"""Tool calling and reasoning end to end with the embedded model (the shipped Hermes template, auto tool choice,
+the qwen3 reasoning parser) and the `openai` client, streamed and not: forced calls whose arguments validate
+against their function's schema, a full round trip, OpenAI's streamed delta shape, reasoning_content."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time in a city", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(served_with_tools):
+    return openai.OpenAI(base_url=served_with_tools.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _valid_calls(calls) -> list[str]:
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return [call.function.name for call in calls]
+
+
+def _streamed(stream) -> tuple[dict, str, list]:
+    """Tool calls put together from the deltas (checking OpenAI's shape), the finish reason, the first chunk."""
+    calls, finish, chunks = {}, None, list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                if delta.index not in calls:  # first: id, type, name; arguments follow in pieces
+                    assert delta.id and delta.type == "function" and delta.function.name
+                    calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+                else:
+                    assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+    return calls, finish, chunks
+
+
+def test_named_function_whole_and_streamed(client, model):
+    args = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reply = client.chat.completions.create(**args)
+    assert _valid_calls(reply.choices[0].message.tool_calls) == ["get_weather"]
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    calls, finish, chunks = _streamed(client.chat.completions.create(stream=True, **args))
+    assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.tool_calls  # the role comes with the first generated text
+
+
+def test_required_with_two_tools_whole_and_streamed(client, model):
+    args = dict(model=model, messages=[{"role": "user", "content": "What time is it in Tokyo, and the weather?"}],
+                tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+    reply = client.chat.completions.create(**args)
+    names = _valid_calls(reply.choices[0].message.tool_calls)
+    assert names and set(names) <= set(SCHEMAS) and reply.choices[0].finish_reason == "tool_calls"
+    calls, finish, _ = _streamed(client.chat.completions.create(stream=True, parallel_tool_calls=False, **args))
+    assert len(calls) == 1 and finish == "tool_calls"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+
+
+def test_round_trip_call_tool_answer(client, model):
+    called = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=40, temperature=0)
+    message = called.choices[0].message
+    (call,) = message.tool_calls
+    history = ASK + [message, {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=24, temperature=0)
+    choice = answer.choices[0]
+    if choice.message.tool_calls:  # auto: the model may call again; then the calls are well formed
+        _valid_calls(choice.message.tool_calls)
+        assert choice.finish_reason == "tool_calls"
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+    none = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                          max_tokens=8, temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_reasoning_content_whole_and_streamed(client, model):
+    args = dict(model=model, messages=[{"role": "user", "content": "Is 17 a prime number?"}], max_tokens=12,
+                temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    reply = client.chat.completions.create(**args).choices[0].message
+    assert reply.reasoning_content and reply.content is None  # still thinking after 12 tokens
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == reply.reasoning_content
+    plain = client.chat.completions.create(**{**args, "extra_body": {}}).choices[0].message
+    assert plain.content and plain.reasoning_content is None  # not opened: no reasoning
+
+
+def test_bad_tool_requests_are_400(client, model):
+    bad = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": TOOLS + TOOLS[:1]}, "same function name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
+          "tool_choice": "required"}, "frobnicate"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ]
+    for fields, words in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=fields)
+        assert words in caught.value.body["message"]

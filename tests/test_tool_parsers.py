@@ -1,0 +1,105 @@
+"""The tool-call parsers on canned model outputs: the whole answer, and the same text streamed in two pieces split
+at every character and one character at a time, which must add up to the whole answer in OpenAI's delta shape."""
+import json
+
+import pytest
+
+from apiserver.tool_parsers import TOOL_PARSERS, ToolCallStream
+from apiserver.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+NESTED = {"query": "a \"quoted\" {brace} ]", "filters": {"tags": ["x", "y"], "n": -1.5e3, "ok": True, "none": None}}
+
+CASES = [
+    # (parser, model output, expected content, expected [(name, arguments)])
+    ("hermes", "The weather? Let me check.", "The weather? Let me check.", []),
+    ("hermes", 'I will call it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     "I will call it.\n", [("get_weather", WEATHER)]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "search", "arguments": ' + json.dumps(NESTED) + '}\n</tool_call>',
+     "", [("get_weather", WEATHER), ("search", NESTED)]),
+    ("hermes", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "", [("now", {})]),
+    ("hermes", '<tool_call>\n{"arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}", "name": "get_weather"}\n</tool_call>',
+     "", [("get_weather", WEATHER)]),
+    ("hermes", "a < b and <tool_cal is not a tag", "a < b and <tool_cal is not a tag", []),
+    ("hermes", "<tool_call> not json at all", "<tool_call> not json at all", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [("get_weather", WEATHER)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                    '{"name": "search", "arguments": ' + json.dumps(NESTED) + '}',
+     "", [("get_weather", WEATHER), ("search", NESTED)]),
+    ("llama3_json", "Paris is the capital of France.", "Paris is the capital of France.", []),
+    ("llama3_json", "{curly} is not a call", "{curly} is not a call", []),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius")]', "", [("get_weather", WEATHER)]),
+    ("pythonic", "[get_weather(city='Paris', unit='celsius'), search(query='a \"quoted\" {brace} ]', "
+                 "filters={'tags': ['x', 'y'], 'n': -1.5e3, 'ok': True, 'none': None}), now()]",
+     "", [("get_weather", WEATHER), ("search", NESTED), ("now", {})]),
+    ("pythonic", "Sure, it is sunny.", "Sure, it is sunny.", []),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+]
+
+
+def _parser(name):
+    return TOOL_PARSERS[name]()
+
+
+def _whole(parser, text):
+    parsed = parser.parse(text, final=True)
+    return parsed.content, [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+def _streamed(parser, pieces):
+    stream = ToolCallStream(parser)
+    content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        text, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        content += text
+        for delta in deltas:
+            index = delta["index"]
+            if index not in calls:  # the first delta of a call: id, type, name, empty arguments
+                assert index == len(calls)
+                assert set(delta) == {"index", "id", "type", "function"} and delta["type"] == "function"
+                assert delta["id"].startswith("call_") and delta["function"]["name"]
+                calls[index] = [delta["function"]["name"], delta["function"]["arguments"]]
+            else:  # then only pieces of the arguments
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+                assert delta["function"]["arguments"]
+                calls[index][1] += delta["function"]["arguments"]
+    return content, [(name, json.loads(arguments)) for name, arguments in calls.values()]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_whole_output(name, text, content, calls):
+    assert _whole(_parser(name), text) == (content, calls)
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_streamed_at_every_split(name, text, content, calls):
+    for at in range(len(text) + 1):
+        assert _streamed(_parser(name), [text[:at], text[at:]]) == (content, calls), at
+    assert _streamed(_parser(name), list(text) or [""]) == (content, calls)
+
+
+def test_streamed_arguments_are_the_whole_answers_text():
+    """What a client concatenates is exactly the arguments string of the whole answer."""
+    text = CASES[2][1]
+    whole = _parser("hermes").parse(text, final=True).calls
+    stream = ToolCallStream(_parser("hermes"))
+    pieces: dict[int, str] = {}
+    for i, ch in enumerate(text):
+        for delta in stream.feed(ch, final=i == len(text) - 1)[1]:
+            pieces[delta["index"]] = pieces.get(delta["index"], "") + delta["function"]["arguments"]
+    assert [pieces[i] for i in sorted(pieces)] == [c.arguments for c in whole]
+
+
+def test_forced_named_and_required():
+    named = ' {"city": "Paris", "unit": "celsius"}'
+    assert _whole(NamedCallParser("get_weather"), named) == ("", [("get_weather", WEATHER)])
+    for at in range(len(named) + 1):
+        assert _streamed(NamedCallParser("get_weather"), [named[:at], named[at:]]) == ("", [("get_weather", WEATHER)])
+    required = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "search", "parameters": ' + json.dumps(NESTED) + "}]")
+    expected = ("", [("get_weather", WEATHER), ("search", NESTED)])
+    assert _whole(RequiredCallsParser(), required) == expected
+    for at in range(len(required) + 1):
+        assert _streamed(RequiredCallsParser(), [required[:at], required[at:]]) == expected
+    assert _streamed(RequiredCallsParser(), list(required)) == expected
