@@ -88,6 +88,15 @@ def test_whole_generate_sends_one_complete_per_sample(stub, tokenizer):
         assert tokenizer.decode(list(r.complete.output_ids)) == "Paris is the capital of"
 
 
+def test_valid_constraints_are_taken(stub):
+    """Compiled and handed to the engine (the simulated one ignores them: tests/test_grpc_gateway.py checks the
+    real model's output under them)."""
+    for constraint in (dict(json_schema='{"type": "object"}'), dict(json_object=True), dict(regex="[a-z]+"),
+                       dict(choice=pb.ChoiceConstraint(choices=["yes", "no"])), dict(grammar='start: "a"+')):
+        (response,) = stub.Generate(generate_request(PROMPT, max_tokens=2, **constraint))
+        assert response.complete.finish_reason == "length", constraint
+
+
 def test_eos_stop_token_and_prompt_only(stub, tokenizer):
     (eos,) = stub.Generate(generate_request(PROMPT, max_tokens=200))
     assert eos.complete.finish_reason == "stop" and tokenizer.decode(list(eos.complete.output_ids)).startswith(
@@ -110,10 +119,12 @@ BAD_REQUESTS = [
     ("max_tokens 0 without prompt logprobs", generate_request(PROMPT, max_tokens=0), "max_tokens"),
     ("max_tokens huge", generate_request(PROMPT, max_tokens=4_000_000_000), "maximum context length"),
     ("n 1000", generate_request(PROMPT, max_tokens=2, n=1000), "`n` is 1000"),
-    ("json_schema", generate_request(PROMPT, json_schema="{}"), "structured outputs (`json_schema`)"),
-    ("regex", generate_request(PROMPT, regex="a+"), "structured outputs (`regex`)"),
-    ("choice", generate_request(PROMPT, choice=pb.ChoiceConstraint(choices=["a"])), "structured outputs"),
-    ("json_object", generate_request(PROMPT, json_object=True), "structured outputs (`json_object`)"),
+    ("schema that is not JSON", generate_request(PROMPT, json_schema="{not json"), "`sampling_params.json_schema`"),
+    ("schema of the wrong type", generate_request(PROMPT, json_schema='{"type": 3}'), "`sampling_params.json_schema`"),
+    ("regex that does not compile", generate_request(PROMPT, regex="(a"), "`sampling_params.regex`"),
+    ("no choices", generate_request(PROMPT, choice=pb.ChoiceConstraint(choices=[])), "list of choices is empty"),
+    ("grammar that does not parse", generate_request(PROMPT, grammar="start: (("), "`sampling_params.grammar`"),
+    ("structural tag", generate_request(PROMPT, structural_tag="{}"), "`structural_tag` are not supported"),
     ("logit bias", generate_request(PROMPT, logit_bias={5: 1.0}), "logit_bias"),
     ("all logprobs", generate_request(PROMPT, logprobs=-1), "logprobs"),
     ("temperature", generate_request(PROMPT, temperature=-1.0), "temperature"),

@@ -5,7 +5,9 @@ The gateway lives in its own venv, `.venv-gateway` (`make gateway`, which `make 
 partner, never a dependency of ours.
 """
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,9 +15,11 @@ import tempfile
 import time
 
 import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 from smg_grpc_proto import vllm_engine_pb2 as pb
+from tokenizers import Tokenizer
 
 from tests.grpc_support import GrpcSupervise
 from tests.supervise_process import title_of
@@ -136,6 +140,41 @@ def test_completions_with_n_samples_whole_and_streamed(client):
             if choice.finish_reason:
                 finishes[choice.index] = choice.finish_reason
     assert all(texts.values()) and set(finishes) == {0, 1}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_through_the_gateway(client):
+    """The gateway sends the schema as the `json_schema` constraint (and json_object as `{"type":"object"}`)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           response_format=response_format)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_choice_and_regex_constraints_over_grpc(group):
+    model_dir = group.stub().GetModelInfo(pb.GetModelInfoRequest()).model_path
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    prompt = tokenizer.encode("The capital of France is").ids
+    cities = ["Paris", "London", "Berlin"]
+    (choice,) = group.stub().Generate(pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=pb.SamplingParams(max_tokens=10, temperature=0.0, choice=pb.ChoiceConstraint(choices=cities))))
+    assert tokenizer.decode(list(choice.complete.output_ids)) in cities
+    (date,) = group.stub().Generate(pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=tokenizer.encode("Today's date is").ids),
+        sampling_params=pb.SamplingParams(max_tokens=12, temperature=0.0, regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")))
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", tokenizer.decode(list(date.complete.output_ids)))
 
 
 def test_a_client_that_goes_away_is_aborted_in_our_engine(gateway, group):

@@ -76,6 +76,7 @@ def server_info(ctx: ServerContext, started: float, last_arrival: float) -> pb.G
         block_size=ctx.model.block_size,
         model_dtype=f"torch.{ctx.model.dtype}" if ctx.model.dtype != "none" else "",
         max_num_seqs=ctx.config.max_num_seqs,
+        constrained_decoding_start="first_token",  # no reasoning parser runs here: grammars start at once
     )
 
 

@@ -3,7 +3,9 @@ that names the field.
 
 The limits are the HTTP API's (apiserver/protocol.py, apiserver/sampling_params.py), so a request the HTTP
 server refuses is refused here too. proto3 scalars have no "unset": 0 means unset for `top_p`, `top_k`,
-`repetition_penalty` and `n` (as vLLM's own servicer reads them), so `n: 0` is one sample. Fields about text
+`repetition_penalty` and `n` (as vLLM's own servicer reads them), so `n: 0` is one sample. A constraint
+(`json_schema`, `json_object`, `regex`, `choice`, `grammar`) becomes the engine's grammar, as the HTTP API's
+structured outputs do. Fields about text
 (`stop`, `skip_special_tokens`, `include_stop_str_in_output`, ...) are accepted and left to the client: this
 server holds no tokenizer, and the gateway that sends them matches stop strings in the text it decodes.
 """
@@ -18,6 +20,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from apiserver.grpc.status import invalid_argument
 from apiserver.sampling_params import max_tokens_for, sampling_params
+from apiserver.structured_outputs import checked
+from ipc import grammar as grammars
 from ipc.model_info import ModelInfo
 from ipc.sampling import SamplingParams
 
@@ -34,7 +38,9 @@ _FLOAT_RANGES = {
     "frequency_penalty": (-2.0, 2.0, True),
     "repetition_penalty": (0.0, 10.0, False),
 }
-_CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
+# The proto's constraints by the names ipc/grammar.py gives them (structural_tag has none: refused).
+_CONSTRAINT_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
 
 
 @dataclass
@@ -103,10 +109,7 @@ def _prompt(request, model: ModelInfo) -> list[int]:
 
 
 def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise invalid_argument(f"structured outputs (`{constraint}`) are not supported by this server yet; "
-                               f"send the request without a constraint")
+    grammar = _grammar(params)
     if len(params.logit_bias):
         raise invalid_argument("`logit_bias` is not supported by this server's engine")
     for name, (low, high, low_allowed) in _FLOAT_RANGES.items():
@@ -140,7 +143,27 @@ def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
         min_tokens=params.min_tokens,
         n=n,
     )
-    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs)
+    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs,
+                           grammar)
+
+
+def _grammar(params) -> str | None:
+    """The constraint as the engine's grammar (ipc/grammar.py), compiled here once to refuse a bad one with its
+    reason. It applies from the first generated token: this engine runs no reasoning parser with --grpc, so
+    `grammar_from_first_token` asks for what it does anyway (GetServerInfo says `first_token`)."""
+    constraint = params.WhichOneof("constraint")
+    if constraint is None or (constraint == "json_object" and not params.json_object):
+        return None
+    if constraint not in _CONSTRAINT_KINDS:
+        raise invalid_argument(f"structured outputs by `{constraint}` are not supported by this server: use "
+                               f"json_schema, json_object, regex, choice or grammar")
+    value = getattr(params, constraint)
+    if constraint == "choice":
+        value = list(value.choices)
+    try:
+        return checked(grammars.from_constraint(_CONSTRAINT_KINDS[constraint], value), f"sampling_params.{constraint}")
+    except grammars.GrammarError as exc:
+        raise invalid_argument(f"invalid `sampling_params.{constraint}`: {exc}") from None
 
 
 def _top_k(params, name: str) -> int | None:
