@@ -153,10 +153,9 @@ class EngineClient:
             engine = engines[request_id] = self._least_loaded()
             self._in_flight[engine] += 1
         stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop())
-        now = time.time()
         for request_id, prompt_token_ids in requests:
             self._streams[request_id] = stream
-            self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority, now))
+            self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority))
         self._in_flight_changed()
         return stream
 

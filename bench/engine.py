@@ -9,6 +9,10 @@ Both sides get the same random prompts (all of --prompt-len tokens) and produce 
 greedily (the engine with ignore_eos, transformers with min_new_tokens). transformers runs them as static batches
 of --hf-batch-size (default: all at once), the engine as continuous batching under its own limits. A single-stream
 row (one request alone) is printed too unless --no-single.
+
+It also prints what the prefix cache's block key costs per full block: the SHA-256 digest chained over the parent
+block's digest and the block's token ids, against Python's hash() of the same (the old key, cheap to collide on
+purpose). `--hash-only` prints that alone, without loading a model.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
+from enginecore.block_pool import hash_block  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
@@ -47,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
     p.add_argument("--no-hf", action="store_true", help="skip plain transformers")
     p.add_argument("--no-single", action="store_true", help="skip the single-stream rows")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (for the block key's cost)")
+    p.add_argument("--hash-only", action="store_true", help="print the prefix-cache block key's cost only")
     return p.parse_args()
 
 
@@ -80,6 +87,37 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, de
     return total, time.perf_counter() - started
 
 
+def block_key_cost(block_size: int, num_blocks: int = 50_000) -> tuple[float, float]:
+    """Microseconds per full block of a chained prefix key: (SHA-256 digest, Python hash()), best of 3."""
+    blocks = torch.randint(0, 49152, (num_blocks, block_size), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def sha256_chain():
+        parent = None
+        for tokens in blocks:
+            parent = hash_block(parent, tokens)
+
+    def python_hash_chain():
+        parent = None
+        for tokens in blocks:
+            parent = hash((parent, tuple(tokens)))
+
+    def best(chain) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            chain()
+            times.append(time.perf_counter() - started)
+        return min(times) / num_blocks * 1e6
+
+    return best(sha256_chain), best(python_hash_chain)
+
+
+def print_block_key_cost(block_size: int) -> None:
+    sha, plain = block_key_cost(block_size)
+    print(f"prefix-cache block key ({block_size} tokens): SHA-256 chained {sha:.2f} us per block, "
+          f"Python hash() {plain:.2f} us ({sha / plain:.1f}x); per token {sha / block_size * 1000:.0f} ns")
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -88,6 +126,9 @@ def _sync(device) -> None:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.hash_only:
+        print_block_key_cost(args.block_size)
+        return
     loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa", load_format=args.load_format)
     model = loaded.model
     prompts = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size)
@@ -132,6 +173,8 @@ def main() -> None:
             print(f"{label:<22}{hf_name:<26}{hf[0]:>11}{hf[1]:>10.2f}{hf_rate:>12.1f}{1.0:>8.2f}")
         ratio = f"{rate / (hf[0] / hf[1]):>8.2f}" if hf else f"{'':>8}"
         print(f"{label:<22}{'supervise engine core':<26}{tokens:>11}{secs:>10.2f}{rate:>12.1f}{ratio}")
+    print()
+    print_block_key_cost(args.block_size)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 from enginecore import structured_output  # noqa: E402
+from enginecore.grammar_compiler import GrammarCompiler  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc import grammar as grammars  # noqa: E402
@@ -119,7 +120,7 @@ def compile_times(model_dir: str, vocab_size: int, eos: tuple[int, ...]) -> dict
     for _ in range(20):
         grammars.check(grammars.json_schema_grammar(PEOPLE))
     times["API server: grammar text + check, per request"] = (time.perf_counter() - started) / 20
-    compiler = structured_output.GrammarCompiler(os.path.join(model_dir, "tokenizer.json"), vocab_size, eos)
+    compiler = GrammarCompiler(os.path.join(model_dir, "tokenizer.json"), vocab_size, eos)
     started = time.perf_counter()
     compiler._llg_tokenizer()
     times["engine: tokenizer index (first grammar of an engine)"] = time.perf_counter() - started

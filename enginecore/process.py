@@ -4,7 +4,9 @@ CONTRACT (the supervisor relies on exactly this):
     run_engine_core(launch: ipc.launch.EngineLaunch) -> None   (config, rank, ready, lifeline: see EngineLaunch)
 - set the process title `supervise: EngineCore_DP<rank>`, call ipc.logs.setup_logging(f"EngineCore_DP{rank}",
   config.log_level) and ipc.lifeline.die_with_parent(lifeline);
-- resolve and load the model (enginecore.model_source), log progress, allocate the KV cache;
+- build the engine: for `--model sim:<ms>` the simulated engine (enginecore.simulated, a benchmark instrument
+  that never imports torch), else resolve and load the model (enginecore.model_source), log progress, allocate
+  the KV cache; both then run the same loop (enginecore.serve_loop);
 - bind the ROUTER at ipc.sockets.engine_address(config.runtime_dir, rank);
 - then send exactly one record over `ready`: ipc.model_info.EngineReady, or EngineFailed(user_error=True) for a
   bad --model (the supervisor prints the one line and exits 2), or EngineFailed(user_error=False) otherwise;
@@ -60,27 +62,27 @@ def run_engine_core(launch: EngineLaunch) -> None:
 def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
     import zmq
 
-    from enginecore.engine import EngineCore
-    from enginecore.loader import BadEngineSetting
-    from enginecore.model_source import ModelNotFound
+    from enginecore.engine_base import BadEngineSetting
+    from enginecore.model_source import ModelSourceError
     from enginecore.serve_loop import EngineServer
 
-    config = _device_for_rank(config, rank)
     try:
-        core = EngineCore(config)
+        core = _make_engine(config, rank)
         ctx = zmq.Context()
         router = bind_router(ctx, engine_address(config.runtime_dir, rank))
-    except (ModelNotFound, BadEngineSetting) as exc:
+    except (ModelSourceError, BadEngineSetting) as exc:
         ready.send(EngineFailed(rank, str(exc), user_error=True))
         sys.exit(2)
     except Exception as exc:
         log.error("engine start-up failed:\n%s", traceback.format_exc())
         ready.send(EngineFailed(rank, f"{type(exc).__name__}: {exc}", user_error=False))
         sys.exit(1)
-    ready.send(EngineReady(rank, core.model_info))
+    info = core.model_info
+    ready.send(EngineReady(rank, info))
     ready.close()
-    log.info("ready: %s on %s, %d KV blocks, serving at %s", config.model_name, core.device,
-             core.model_info.num_kv_blocks, engine_address(config.runtime_dir, rank))
+    # Not "serving": that word is the supervisor's line once the whole group serves (tests wait for it).
+    log.info("ready: %s on %s, %d KV blocks, listening at %s", config.model_name, info.device, info.num_kv_blocks,
+             engine_address(config.runtime_dir, rank))
 
     server = EngineServer(core, router)
     try:
@@ -95,6 +97,17 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
     finally:
         if not router.closed:
             router.close(linger=0)
+
+
+def _make_engine(config: ServeConfig, rank: int):
+    """The engine `config.model` names. Imported here, not above: the simulated engine must not load torch."""
+    from enginecore import simulated
+
+    if simulated.is_simulated(config.model):
+        return simulated.SimulatedEngine(config)
+    from enginecore.engine import EngineCore
+
+    return EngineCore(_device_for_rank(config, rank))
 
 
 def _device_for_rank(config: ServeConfig, rank: int) -> ServeConfig:

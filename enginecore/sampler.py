@@ -10,6 +10,10 @@ with a seed draws its number from its own generator, so its tokens do not depend
 Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them. A
 step's structured-output mask (enginecore/structured_output.py) is applied first, to its constrained rows only: their
 logprobs are those of the masked distribution.
+
+sample() leaves its logits as they are (the mask too goes into its own copy): when a batch raises (a row whose
+parameters the sampler cannot take), sample_each() samples the rows one by one from the same logits, each
+constrained row under its own mask, so that only the culprits' requests fail.
 """
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
+from enginecore.engine_base import one_line
 from enginecore.sequence import Sequence
+from enginecore.structured_output import TokenMask
 
 MAX_LOGPROBS = 20
 
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int | None]
     logprobs: list  # per row: None, or [sampled token's logprob, [[token_id, logprob], ...top k]]
+    errors: list[str | None] | None = None  # sample_each only: per row, why it could not be sampled (None: it was)
 
 
 class Sampler:
@@ -37,19 +44,25 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed=None) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
         """allowed: the step's TokenMask for its constrained rows, or None."""
-        logits = logits.float()
+        params = [s.sampling for s in seqs]
+        greedy = [p.greedy for p in params]
+        penalized = [i for i, (s, p) in enumerate(zip(seqs, params)) if p.repetition_penalty != 1.0
+                     or ((p.presence_penalty or p.frequency_penalty) and s.num_output_tokens)]
+        barred = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
+        work = logits.float()  # a copy in half precision, the same tensor in float32
+        if work is logits and (allowed is not None or penalized or barred or not all(greedy)):
+            work = logits.clone()  # the steps below write into it
+        logits = work
         if allowed is not None:
             allowed.apply(logits)
-        params = [s.sampling for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        self._apply_penalties(logits, seqs)
-        self._apply_min_tokens(logits, seqs)
+        self._apply_penalties(logits, seqs, penalized)
+        self._apply_min_tokens(logits, seqs, barred)
 
-        greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = _argmax(logits)
         else:
@@ -58,8 +71,27 @@ class Sampler:
         return SampleResult(token_list, _logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
                             if raw_logprobs is not None else [None] * len(seqs))
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
+        """Each row alone (after sample() raised on the batch): a row that cannot be sampled gets its error and no
+        token, the others their token (a seeded row draws from its own generator, a constrained one under its own
+        row of `allowed`, as in a batch)."""
+        tokens, logprobs, errors = [], [], []
         for i, seq in enumerate(seqs):
+            try:
+                one = self.sample(logits[i:i + 1], [seq], None if allowed is None else allowed.row(i))
+            except Exception as exc:
+                tokens.append(None)
+                logprobs.append(None)
+                errors.append(one_line(exc))
+            else:
+                tokens.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+                errors.append(None)
+        return SampleResult(tokens, logprobs, errors)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        for i in rows:
+            seq = seqs[i]
             p = seq.sampling
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(seq.token_ids, device=logits.device).unique()
@@ -70,14 +102,13 @@ class Sampler:
                 counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        for i, seq in enumerate(seqs):
-            p = seq.sampling
-            if seq.num_output_tokens < p.min_tokens:
-                barred = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                barred = [t for t in barred if 0 <= t < logits.shape[1]]
-                if barred:
-                    logits[i, barred] = float("-inf")
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        for i in rows:
+            p = seqs[i].sampling
+            barred = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            barred = [t for t in barred if 0 <= t < logits.shape[1]]
+            if barred:
+                logits[i, barred] = float("-inf")
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.sampling for s in seqs]

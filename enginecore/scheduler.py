@@ -28,16 +28,14 @@ class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     # Copy-on-write: (source block, destination block) copies to make before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    num_preempted: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
 
 class Scheduler:
-    def __init__(self, pool: KVBlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: KVBlockPool, max_num_seqs: int, max_num_batched_tokens: int):
         self.pool = pool
-        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Sequence] = []  # kept sorted by Sequence.key
@@ -69,7 +67,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is skipped when it comes up
         seq.status = SequenceStatus.FINISHED
-        self._free_blocks(seq)
+        self.pool.free(seq)
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
@@ -92,7 +90,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             while not self._reserve(seq, n, batch.block_copies):
                 victim = self.running[-1]
-                budget += self._preempt_lowest_running(scheduled, batch)
+                budget += self._preempt_lowest_running(scheduled)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
@@ -106,17 +104,16 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 if not self._outranks_lowest_running(seq):
                     break
-                budget += self._preempt_lowest_running(scheduled, batch)
+                budget += self._preempt_lowest_running(scheduled)
                 continue
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            reserve_ok = (not self.running or self._blocks_needed(seq, n) + self._watermark <= self.pool.num_free)
-            if not (reserve_ok and self._reserve(seq, n, batch.block_copies)):
-                self._free_blocks(seq)  # give back the prefix hits too; it tries again (next step, or below)
+            if not self._reserve(seq, n, batch.block_copies, self._watermark if self.running else 0):
+                self.pool.free(seq)  # give back the prefix hits too; it tries again (next step, or below)
                 if not self._outranks_lowest_running(seq):
                     break
-                budget += self._preempt_lowest_running(scheduled, batch)
+                budget += self._preempt_lowest_running(scheduled)
                 continue
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
@@ -136,68 +133,30 @@ class Scheduler:
         priority never preempt each other, so the fcfs policy (every priority 0) never preempts for admission."""
         return bool(self.running) and seq.priority < self.running[-1].priority
 
-    def _preempt_lowest_running(self, scheduled: dict[Sequence, int], batch: ScheduledBatch) -> int:
+    def _preempt_lowest_running(self, scheduled: dict[Sequence, int]) -> int:
         """Preempt the lowest-ranked running sequence; the token budget it had been given this step comes back."""
         victim = self.running[-1]
-        self._preempt(victim, batch)
+        self._preempt(victim)
         return scheduled.pop(victim, 0)
 
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
-
-    def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
+    def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]], keep_free: int = 0) -> bool:
         """Make sure seq's block table covers its next n tokens, none of them in a shared block."""
-        needed = self._blocks_needed(seq, n)
-        first_written = seq.num_computed_tokens // self.block_size
-        shared = [i for i in range(first_written, len(seq.block_table)) if self.pool.ref_count[seq.block_table[i]] > 1]
-        if needed + len(shared) > self.pool.num_free:
+        if not self.pool.can_append(seq, n, keep_free):
             return False
-        for i in shared:  # copy-on-write: a forked choice writes its own copy of the shared partial block
-            new = self.pool.allocate()
-            copies.append((seq.block_table[i], new))
-            self.pool.free([seq.block_table[i]])
-            seq.block_table[i] = new
-        seq.block_table.extend(self.pool.allocate_many(needed))
+        copies += self.pool.append(seq, n)
         return True
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
-        # At least one token must be computed: its logits give the next token.
-        num_full = (seq.num_tokens - 1) // self.block_size
-        # A sequence that still owes prompt logprobs computes every prompt position's logits (as in vLLM).
-        if num_full == 0 or not self.pool.enable_prefix_caching or seq.needs_prompt_logprobs:
-            return
-        hits = self.pool.lookup(seq.full_block_hashes(num_full, self.block_size))
-        seq.block_table = hits
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+        self.pool.lookup_prefix(seq)
         if seq.num_preemptions == 0:  # a recompute after preemption is not what the client's prompt hit
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._free_blocks(seq)
+        self.pool.free(seq)
         seq.num_preemptions += 1
-        batch.num_preempted += 1
         log.debug("preempted %s (choice %d) after %d tokens", seq.request_id, seq.index, seq.num_tokens)
         self.add(seq)
-
-    def _free_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
-
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Offer the blocks seq has filled and computed to the prefix cache."""
-        if not self.pool.enable_prefix_caching:
-            return
-        num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_registered_blocks:
-            return
-        hashes = seq.full_block_hashes(num_full, self.block_size)
-        for i in range(seq.num_registered_blocks, num_full):
-            self.pool.register(seq.block_table[i], hashes[i])
-        seq.num_registered_blocks = num_full
 
 
 def _key(seq: Sequence):

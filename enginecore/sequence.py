@@ -1,13 +1,17 @@
-"""Sequence: one choice of one request as the engine tracks it, from waiting to finished."""
+"""Sequence: one choice of one request as the engine tracks it, from waiting to finished.
+
+No torch import here: the simulated engine (enginecore.simulated) tracks its sequences with this class too.
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from enginecore.block_pool import hash_block
 from ipc.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -28,16 +32,17 @@ class Sequence:
     # Scheduling order: (priority, arrival); lower runs first and is preempted last.
     priority: int
     arrival: int
-    generator: torch.Generator | None = None  # per-request seed: the same draws whatever the batch
+    generator: torch.Generator | None = None  # per-choice seed: the same draws whatever the batch
     status: SequenceStatus = SequenceStatus.WAITING
+    # The KV cache state below belongs to the block pool (enginecore.block_pool): only its verbs change it.
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
-    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
-    num_forks_pending: int = 0  # choices still to fork from this one once its prompt is computed
-    block_hashes: list[int] = field(default_factory=list)  # content hashes of the leading full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # content digests of the leading full blocks
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
-    finish_reason: str | None = None
-    stop_reason: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
+    # The request's other choices (their indices), still to fork from this one once its prompt is computed. While
+    # any is pending this sequence has sent nothing yet.
+    pending_forks: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # Prompt logprobs (sampling.prompt_logprobs): how many prompt positions (from the second) have theirs, and
     # those not sent yet (None: nothing to send, or sent). They go out once, with the sequence's first output; a
@@ -74,11 +79,15 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         return self.sampling.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
-    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
-        """Content hashes of the first `num_blocks` full blocks of token_ids, computed once and kept."""
-        hashes = self.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
-        return hashes[:num_blocks]
+    def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
+        """Choice `index` of the same request, at the same point: same tokens, same computed prompt, a copy of
+        its grammar's matcher. Its blocks are the pool's to share (KVBlockPool.fork)."""
+        return Sequence(
+            seq_id=seq_id, request_id=self.request_id, client=self.client, index=index,
+            token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens, sampling=self.sampling,
+            priority=self.priority, arrival=self.arrival, generator=generator,
+            num_computed_tokens=self.num_computed_tokens, block_hashes=list(self.block_hashes),
+            num_registered_blocks=self.num_registered_blocks, num_cached_tokens=self.num_cached_tokens,
+            num_prompt_logprobs=self.num_prompt_logprobs,
+            grammar=None if self.grammar is None else self.grammar.fork(),
+        )

@@ -1,10 +1,15 @@
-"""EngineServer: the engine core's loop behind its ZMQ ROUTER.
+"""EngineServer: an engine's loop behind its ZMQ ROUTER, the same for the real engine and the simulated one (any
+enginecore.engine_base.EngineBase).
 
 One thread does everything, so the socket (not thread-safe) has one owner and there is no lock on the engine:
-  - idle: block in poll() until a message comes (no CPU used, no busy polling);
+  - idle: block in poll() until a message, a signal or a compiled grammar comes (no CPU used, no busy polling);
   - busy: take every message already queued (ADD, ABORT, UTILITY) without waiting, run one engine step, and send
-    each API server one EngineOutputs with its sequences' new tokens.
-Messages that arrive during a step's forward pass wait in ZMQ's queue and are taken before the next step.
+    each API server one EngineOutputs with its sequences' new tokens and the engine's load.
+Messages that arrive during a step (a forward pass, or the simulated engine waiting for its next tick) wait in
+ZMQ's queue and are taken before the next step. A request whose grammar is not compiled yet waits beside the
+engine (enginecore.grammar_compiler.CompilingRequests) while a worker thread compiles it, then goes in like any
+other. A request the engine cannot take fails alone (an 'error' output); an exception out of a step ends the loop:
+the process tells every API server ENGINE_DEAD and exits 1.
 """
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ import socket
 
 import zmq
 
-from enginecore.engine import EngineCore
-from enginecore.structured_output import CompilingRequests
+from enginecore.engine_base import EngineBase
+from enginecore.grammar_compiler import CompilingRequests
 from ipc.codec import MalformedMessage, decode, encode
 from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
                           UtilityResult)
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, router: zmq.Socket):
+    def __init__(self, core: EngineBase, router: zmq.Socket):
         self.core = core
         self.router = router
         self.clients: set[bytes] = set()  # every API server heard from: they all hear of our death
@@ -37,13 +42,15 @@ class EngineServer:
         self._wakeup_write = wakeup_write  # kept open for the process's life
         signal.set_wakeup_fd(wakeup_write.fileno(), warn_on_full_buffer=False)
         self._poller.register(self._wakeup, zmq.POLLIN)
-        self._compiling = CompilingRequests(core.structured.compiler)
+        # Requests whose grammar compiles in a worker thread wait here, not in the engine (nothing waits with an
+        # engine that takes no grammars: the simulated one).
+        self._compiling = CompilingRequests(core.grammar_compiler)
         self._poller.register(self._compiling.fileno(), zmq.POLLIN)
         self._utilities = {
             "ping": lambda: "pong",
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
-            "abort_client": self._abort_client,  # the supervisor, when an API server is gone
+            "abort_client": self._abort_client,  # the supervisor's, when an API server died
         }
 
     def serve_forever(self) -> None:
@@ -53,8 +60,7 @@ class EngineServer:
             if self._wakeup in events:
                 self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
             if self._compiling.fileno() in events:  # grammars compiled: their requests go to the engine
-                for identity, request in self._compiling.ready():
-                    self._send_outputs([(identity, o) for o in self.core.add_request(request, identity)])
+                self._admit_compiled()
             if self.router in events:
                 self._take_messages()
             if self.core.has_work():
@@ -81,14 +87,20 @@ class EngineServer:
                 return
             self._send_outputs([(identity, o) for o in self.core.add_request(record, identity)])
         elif isinstance(record, AbortRequests):
-            if record.indices is not None:
-                return  # aborting single choices comes with the engine's side of it; until then they run on
-            outputs = self._compiling.abort(identity, record.request_ids) + self.core.abort(record.request_ids, identity)
+            outputs = (self._compiling.abort(identity, record.request_ids, record.indices)
+                       + self.core.abort(record.request_ids, identity, record.indices))
             self._send_outputs([(identity, o) for o in outputs])
         elif isinstance(record, UtilityCall):
             self._send(identity, self._call(record))
         else:
             log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
+
+    def _admit_compiled(self) -> None:
+        for identity, request, aborted in self._compiling.ready():
+            outputs = self.core.add_request(request, identity)
+            if aborted:  # choices aborted while its grammar compiled
+                outputs += self.core.abort([request.request_id], identity, aborted)
+            self._send_outputs([(identity, o) for o in outputs])
 
     def _abort_client(self, identity: str) -> int:
         return self._compiling.drop_client(identity.encode()) + self.core.abort_client(identity)
@@ -108,9 +120,9 @@ class EngineServer:
         by_client: dict[bytes, list[RequestOutput]] = {}
         for client, output in outputs:
             by_client.setdefault(client, []).append(output)
-        scheduler = self.core.scheduler
+        load = self.core.load()
         for client, outs in by_client.items():
-            self._send(client, EngineOutputs(outs, len(scheduler.running), scheduler.num_waiting, self.core.pool.usage))
+            self._send(client, EngineOutputs(outs, *load))
 
     def _send(self, identity: bytes, record) -> None:
         self.router.send_multipart([identity, *encode(record)], copy=False)

@@ -1,52 +1,41 @@
-"""A simulated engine core: a BENCHMARK AND TEST INSTRUMENT, never the default engine.
+"""A simulated engine: a BENCHMARK AND TEST INSTRUMENT, never the default engine.
 
-`supervise --model sim:<itl_ms>` starts this instead of the real engine (e.g. `sim:10`: one step every 10 ms).
-It has no model and never imports torch, yet it speaks the real IPC protocol exactly like
-enginecore/process.py (same CONTRACT, same ROUTER socket, ADD / ABORT / UTILITY in, one EngineOutputs per step
-and API server out, ENGINE_DEAD when its loop raises), so the API servers and the supervisor can be measured
-and tested without the cost or the noise of a forward pass: what is left is the overhead of everything else.
+`supervise --model sim:<itl_ms>` (e.g. `sim:10`: one step every 10 ms) builds this engine instead of loading a
+model. It runs in the same process entry (enginecore.process), the same loop (enginecore.serve_loop) and with the
+same request bookkeeping (enginecore.engine_base) as the real engine: only how tokens are made differs. It never
+imports torch, so the API servers, the IPC and the supervisor can be measured and tested without the cost or the
+noise of a forward pass.
 
 What it "generates": every running sequence gets one token per step, cycling through the token ids of a fixed
 sentence (with multi-byte characters, so detokenizers are exercised) that the embedded model's real tokenizer
-decodes. It honours max_tokens (0: no token, only the prompt logprobs), ignore_eos (else EOS after the sentence),
-min_tokens, stop_token_ids, n, logprobs and prompt_logprobs (made-up values) and abort. The prompt costs nothing:
-the first token comes one step after arrival.
+decodes; after each full sentence comes EOS (the sentence's first token instead while a request ignores EOS or
+still needs min_tokens). logprobs and prompt_logprobs are made up; a structured-output grammar is ignored (no
+compiler, no mask: EngineBase's defaults). A step first waits for its tick (a fixed pace,
+without drift): messages that come meanwhile wait in ZMQ's queue, as during a real forward pass. The prompt costs
+nothing: the first token comes one step after a request reaches an idle engine. No scheduler, no KV cache: every
+request runs at once.
 
 Test hooks, documented because tests rely on them:
-- a request whose id contains `sim-engine-die` makes the loop raise, as a real engine bug would: every API
+- a request whose id contains `sim-engine-die` makes the next step raise, as a real engine bug would: every API
   server hears ENGINE_DEAD and the process exits 1;
-- a request whose id contains `sim-request-error` fails alone: its first step answers each of its choices with
-  an error output (FinishReason.ERROR and a reason), and the engine carries on;
-- UTILITY `stats` reports counters (running, waiting, finished, aborted) so a test can see aborts land.
+- a request whose id contains `sim-request-error` fails alone, as one the sampler cannot take does: its first step
+  answers each of its choices with an error output (FinishReason.ERROR and a reason), and the engine carries on;
+- UTILITY `stats` reports counters (running, waiting, finished, aborted, failed) so a test can see aborts land.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import time
-from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-import zmq
-
-from ipc import codec
+from enginecore import model_facts
+from enginecore.engine_base import BadEngineSetting, EngineBase, EngineLoad
+from enginecore.sequence import Sequence, SequenceStatus
 from ipc.config import ServeConfig
-from ipc.launch import EngineLaunch
-from ipc.lifeline import die_with_parent
-from ipc.logs import setup_logging
-from ipc.messages import (
-    AbortRequests,
-    EngineDead,
-    EngineOutputs,
-    EngineRequest,
-    FinishReason,
-    RequestOutput,
-    UtilityCall,
-    UtilityResult,
-)
-from ipc.model_info import EngineFailed, EngineReady, ModelInfo
-from ipc.sockets import bind_router, engine_address
+from ipc.messages import RequestOutput
+from ipc.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +46,6 @@ SENTENCE = (
 )
 DIE_MARKER = "sim-engine-die"
 REQUEST_ERROR_MARKER = "sim-request-error"
-# Sampling keys of generation_config.json that the API servers use as defaults.
-_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def is_simulated(model: str | None) -> bool:
@@ -66,163 +53,114 @@ def is_simulated(model: str | None) -> bool:
 
 
 def step_interval(model: str) -> float:
-    """Seconds per step from `sim:<itl_ms>`; ValueError for anything else."""
-    ms = float(model[len(SIM_PREFIX):])
+    """Seconds per step from `sim:<itl_ms>`; BadEngineSetting for anything else."""
+    try:
+        ms = float(model[len(SIM_PREFIX):])
+    except ValueError:
+        ms = 0.0
     if not ms > 0:
-        raise ValueError("the step interval must be positive")
+        raise BadEngineSetting(f"bad simulated model {model!r}: use sim:<milliseconds per step>")
     return ms / 1000.0
 
 
-@dataclass
-class _Sequence:
-    index: int
-    position: int = 0  # tokens emitted so far
-    finish_reason: str | None = None
-    stop_reason: int | None = None
+class SimulatedEngine(EngineBase):
+    def __init__(self, config: ServeConfig):
+        self.interval = step_interval(config.model or "")
+        self.model_info, self.sentence_ids = load_model_info(config)
+        info = self.model_info
+        super().__init__(info.max_model_len, info.vocab_size, info.eos_token_ids, use_priority=False)
+        self.running: dict[int, Sequence] = {}  # by seq_id, in arrival order
+        self._next_tick: float | None = None  # monotonic time of the next step while anything runs
+        self._doomed: str | None = None  # the DIE_MARKER request that makes the next step raise
+        self._failing: list = []  # keys of REQUEST_ERROR_MARKER requests, failed by the next step
+        log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", self.interval * 1000)
 
+    # --- how this engine schedules (all at once) ------------------------------------------------------------
+    def _schedule(self, seq: Sequence) -> None:
+        if not self.running:
+            self._next_tick = time.monotonic() + self.interval
+        if DIE_MARKER in seq.request_id:
+            self._doomed = seq.request_id
+        if REQUEST_ERROR_MARKER in seq.request_id:
+            self._failing.append((seq.client, seq.request_id))
+        self._start(seq)
 
-@dataclass
-class _Request:
-    identity: bytes
-    request: EngineRequest
-    sequences: list[_Sequence] = field(default_factory=list)
+    def _start_fork(self, parent: Sequence, child: Sequence) -> None:
+        self._start(child)
 
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.seq_id] = seq
 
-class SimulatedEngine:
-    """The step loop's state: running requests, their owners, and what one step emits."""
+    def _release(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.pop(seq.seq_id, None)
 
-    def __init__(self, sentence_ids: list[int], eos_token_id: int, max_model_len: int):
-        self.sentence_ids = sentence_ids
-        self.eos_token_id = eos_token_id
-        self.max_model_len = max_model_len
-        self.running: dict[str, _Request] = {}
-        self.identities: set[bytes] = set()
-        self.num_finished = 0
-        self.num_aborted = 0
-        self.num_requests = 0
+    def has_work(self) -> bool:
+        return bool(self.running)
 
-    def add(self, identity: bytes, request: EngineRequest) -> None:
-        if DIE_MARKER in request.request_id:
-            raise RuntimeError(f"simulated engine failure requested by {request.request_id!r}")
-        n = max(1, request.sampling.n)
-        self.running[request.request_id] = _Request(identity, request, [_Sequence(i) for i in range(n)])
-        self.num_requests += 1
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.running), 0, 0.0)
 
-    def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            if self.running.pop(request_id, None) is not None:
-                self.num_aborted += 1
-
-    def abort_client(self, identity: str) -> int:
-        """Abort every request of one API server (the supervisor calls this when that server is gone): the count."""
-        owner = identity.encode()
-        request_ids = [request_id for request_id, req in self.running.items() if req.identity == owner]
-        self.abort(request_ids)
-        return len(request_ids)
-
-    def stats(self) -> dict:
-        return {
-            "num_running": len(self.running),
-            "num_waiting": 0,
-            "num_requests": self.num_requests,
-            "num_finished": self.num_finished,
-            "num_aborted": self.num_aborted,
-            "kv_cache_usage": 0.0,
-        }
-
-    def step(self) -> dict[bytes, list[RequestOutput]]:
-        """One token for every running sequence, grouped by the API server that owns each request."""
-        outputs: dict[bytes, list[RequestOutput]] = {}
-        for request_id, req in list(self.running.items()):
-            sampling = req.request.sampling
-            prompt_len = len(req.request.prompt_token_ids)
-            for seq in req.sequences:
-                if seq.finish_reason is not None:
-                    continue
-                prompt_logprobs = None
-                if sampling.prompt_logprobs is not None and seq.position == 0 and seq.index == 0:
-                    prompt_logprobs = [_made_up_logprobs(t, sampling.prompt_logprobs)[0]
-                                       for t in req.request.prompt_token_ids[1:]]
-                if sampling.max_tokens == 0:
-                    seq.finish_reason = FinishReason.LENGTH
-                    outputs.setdefault(req.identity, []).append(RequestOutput(
-                        request_id, [], seq.index, seq.finish_reason, num_prompt_tokens=prompt_len,
-                        prompt_logprobs=prompt_logprobs))
-                    continue
-                if REQUEST_ERROR_MARKER in request_id:
-                    seq.finish_reason = FinishReason.ERROR
-                    outputs.setdefault(req.identity, []).append(RequestOutput(
-                        request_id, [], seq.index, seq.finish_reason, error="simulated request failure"))
-                    continue
-                token = self._next_token(seq, sampling)
-                seq.position += 1
-                if seq.position >= sampling.min_tokens:
-                    if token == self.eos_token_id and not sampling.ignore_eos:
-                        seq.finish_reason = FinishReason.STOP
-                    elif token in sampling.stop_token_ids:
-                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-                if seq.finish_reason is None and (
-                    seq.position >= sampling.max_tokens or prompt_len + seq.position >= self.max_model_len
-                ):
-                    seq.finish_reason = FinishReason.LENGTH
-                outputs.setdefault(req.identity, []).append(
-                    RequestOutput(
-                        request_id=request_id,
-                        new_token_ids=[token],
-                        index=seq.index,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                        num_prompt_tokens=prompt_len,
-                        logprobs=_made_up_logprobs(token, sampling.logprobs),
-                        prompt_logprobs=prompt_logprobs,
-                    )
-                )
-            if all(seq.finish_reason is not None for seq in req.sequences):
-                del self.running[request_id]
-                self.num_finished += 1
+    # --- how it makes tokens --------------------------------------------------------------------------------
+    def step(self) -> list[tuple[bytes | None, RequestOutput]]:
+        """Wait for the tick, then one token for every running sequence."""
+        if self._doomed is not None:
+            raise RuntimeError(f"simulated engine failure requested by {self._doomed!r}")
+        now = time.monotonic()
+        tick = self._next_tick if self._next_tick is not None else now
+        if tick > now:
+            time.sleep(tick - now)
+        outputs = []
+        for key in self._failing:
+            if key in self.requests:  # not aborted meanwhile
+                outputs += self.fail_request(key, "simulated request failure")
+        self._failing = []
+        for seq in list(self.running.values()):
+            if seq.pending_prompt_logprobs is not None and not seq.num_prompt_logprobs:
+                top = seq.sampling.prompt_logprobs
+                seq.pending_prompt_logprobs = [_made_up_logprobs(t, top) for t in seq.token_ids[1:]]
+                seq.num_prompt_logprobs = seq.num_prompt_tokens - 1
+            for s in (seq, *self._fork(seq)):
+                token = self._next_token(s)
+                logprobs = None if s.sampling.logprobs is None else _made_up_logprobs(token, s.sampling.logprobs)
+                outputs.append(self._emit(s, token, logprobs))
+        # A fixed pace, without drift, unless we fell more than a step behind.
+        self._next_tick = max(tick + self.interval, time.monotonic()) if self.running else None
         return outputs
 
-    def _next_token(self, seq: _Sequence, sampling) -> int:
-        # After each full sentence comes EOS, unless the request ignores EOS or still needs min_tokens.
-        cycle = len(self.sentence_ids) + 1
-        offset = seq.position % cycle
+    def _next_token(self, seq: Sequence) -> int:
+        position = seq.num_output_tokens
+        offset = position % (len(self.sentence_ids) + 1)
         if offset < len(self.sentence_ids):
             return self.sentence_ids[offset]
-        if sampling.ignore_eos or seq.position < sampling.min_tokens:
+        if seq.sampling.ignore_eos or position < seq.sampling.min_tokens:
             return self.sentence_ids[0]
-        return self.eos_token_id
+        return self.eos_token_ids[0]
 
 
-def _made_up_logprobs(token: int, top: int | None) -> list | None:
-    if top is None:
-        return None
-    return [[-0.25, [[token, -0.25]] + [[token + k, -1.0 - k] for k in range(1, top)]]]
+def _made_up_logprobs(token: int, top: int) -> list:
+    """One token's logprobs entry in the RequestOutput shape: [its logprob, [[token_id, logprob], ...top]]."""
+    return [-0.25, [[token, -0.25]] + [[token + k, -1.0 - k] for k in range(1, top)] if top else []]
 
 
 def load_model_info(config: ServeConfig) -> tuple[ModelInfo, list[int]]:
-    """The embedded model's ModelInfo (for its tokenizer) and the sentence's token ids. No torch: the cache
-    exists after `make setup`, and resolve_model imports torch only when it has to convert."""
+    """The embedded model's ModelInfo (for its tokenizer) and the sentence's token ids. No torch: the cache exists
+    after `make setup`, and resolve_model imports torch only when it has to convert."""
     from tokenizers import Tokenizer
 
     from enginecore.model_source import resolve_model
 
     model_dir = resolve_model(None)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        model_config = json.load(f)
-    generation = {}
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            generation = json.load(f)
-    eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-    max_len = model_config.get("max_position_embeddings", 2048)
+    model_config = SimpleNamespace(**_read_json(os.path.join(model_dir, "config.json")))
+    generation = SimpleNamespace(**_read_json(os.path.join(model_dir, "generation_config.json")))
+    max_len = model_facts.model_context_len(model_config) or 2048
     info = ModelInfo(
         model_dir=model_dir,
         max_model_len=min(config.max_model_len or max_len, max_len),
-        vocab_size=model_config["vocab_size"],
-        eos_token_ids=eos_ids,
-        generation_defaults={k: generation[k] for k in _SAMPLING_DEFAULT_KEYS if k in generation},
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=model_facts.eos_token_ids(model_config, generation),
+        generation_defaults=model_facts.generation_defaults(model_dir),
         device="sim",
         dtype="none",
         block_size=config.block_size,
@@ -233,98 +171,8 @@ def load_model_info(config: ServeConfig) -> tuple[ModelInfo, list[int]]:
     return info, sentence_ids
 
 
-def run_simulated_engine_core(launch: EngineLaunch) -> None:
-    """Same CONTRACT as enginecore.process.run_engine_core, for `--model sim:<itl_ms>`."""
-    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
-    try:
-        from setproctitle import setproctitle
-
-        setproctitle(f"supervise: EngineCore_DP{rank}")
-    except ImportError:
-        pass
-    setup_logging(f"EngineCore_DP{rank}", config.log_level)
-    die_with_parent(lifeline)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-
-    try:
-        interval = step_interval(config.model or "")
-    except ValueError:
-        ready.send(EngineFailed(rank, f"bad simulated model {config.model!r}: use sim:<milliseconds per step>", True))
-        return
-    try:
-        info, sentence_ids = load_model_info(config)
-        ctx = zmq.Context()
-        router = bind_router(ctx, engine_address(config.runtime_dir, rank))
-    except Exception as exc:
-        log.exception("simulated engine could not start")
-        ready.send(EngineFailed(rank, f"simulated engine could not start: {exc}", False))
-        return
-    engine = SimulatedEngine(sentence_ids, info.eos_token_ids[0], info.max_model_len)
-    log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", interval * 1000)
-    ready.send(EngineReady(rank, info))
-    try:
-        _serve(router, engine, interval, stopping)
-    except Exception as exc:
-        log.exception("simulated engine loop failed")
-        for identity in engine.identities:
-            router.send_multipart([identity, *codec.encode(EngineDead(f"{exc.__class__.__name__}: {exc}"))])
-        time.sleep(0.1)  # let ZMQ hand the last messages to the kernel before we go
-        os._exit(1)
-    router.close()
-    ctx.term()
-
-
-def _serve(router: zmq.Socket, engine: SimulatedEngine, interval: float, stopping: list) -> None:
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    next_step = None  # monotonic time of the next step while anything runs
-    while not stopping:
-        if next_step is None:
-            timeout_ms = 200  # idle: wake now and then only to notice a signal
-        else:
-            timeout_ms = max(0.0, (next_step - time.monotonic()) * 1000)
-        if poller.poll(timeout_ms):
-            _receive_all(router, engine)
-        if engine.running and next_step is None:
-            next_step = time.monotonic() + interval
-        if next_step is not None and time.monotonic() >= next_step:
-            for identity, outputs in engine.step().items():
-                record = EngineOutputs(outputs, num_running=len(engine.running))
-                router.send_multipart([identity, *codec.encode(record)], copy=False)
-            # A fixed pace, without drift, unless we fell more than a step behind.
-            next_step = max(next_step + interval, time.monotonic()) if engine.running else None
-
-
-def _receive_all(router: zmq.Socket, engine: SimulatedEngine) -> None:
-    while True:
-        try:
-            identity, *frames = router.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        engine.identities.add(identity)
-        try:
-            record = codec.decode(frames)
-        except codec.MalformedMessage as exc:
-            log.error("dropped a malformed message from %r: %s", identity, exc)
-            continue
-        if isinstance(record, EngineRequest):
-            engine.add(identity, record)
-        elif isinstance(record, AbortRequests):
-            if record.indices is None:  # single choices: not yet (its choices never differ anyway)
-                engine.abort(record.request_ids)
-        elif isinstance(record, UtilityCall):
-            router.send_multipart([identity, *codec.encode(_call_utility(engine, record))])
-
-
-def _call_utility(engine: SimulatedEngine, call: UtilityCall) -> UtilityResult:
-    if call.method == "ping":
-        return UtilityResult(call.call_id, "pong")
-    if call.method == "stats":
-        return UtilityResult(call.call_id, engine.stats())
-    if call.method == "reset_prefix_cache":
-        return UtilityResult(call.call_id, True)
-    if call.method == "abort_client":
-        return UtilityResult(call.call_id, engine.abort_client(*call.args))
-    return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -43,7 +43,6 @@ class EngineRequest(Record):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
-    arrival_time: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineRequest":
@@ -62,7 +61,9 @@ class AbortRequests(Record):
 
 @dataclass
 class UtilityCall(Record):
-    """A named method of the engine core (`ping`, `stats`, `reset_prefix_cache`) called by an API server."""
+    """A named method of the engine core called by an API server (`ping`, `stats`, `reset_prefix_cache`) or by the
+    supervisor (`abort_client` with an API server's identity, e.g. "api-3": the engine aborts every request of
+    that server and returns how many)."""
 
     call_id: int
     method: str

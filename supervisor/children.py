@@ -18,9 +18,7 @@ from supervisor.child_entry import run_child
 
 log = logging.getLogger(__name__)
 
-ENGINE_ENTRY = "enginecore.process:run_engine_core"
-# A benchmark instrument, never the default: `--model sim:<ms per step>` paces tokens without a model.
-SIMULATED_ENGINE_ENTRY = "enginecore.simulated:run_simulated_engine_core"
+ENGINE_ENTRY = "enginecore.process:run_engine_core"  # the real engine, or the simulated one for `--model sim:<ms>`
 API_SERVER_ENTRY = "apiserver.process:run_api_server"
 # --grpc: the same API server role (same contract, heartbeat, restart and drain) speaking gRPC instead of HTTP.
 GRPC_API_SERVER_ENTRY = "apiserver.grpc.process:run_grpc_api_server"
@@ -93,9 +91,8 @@ def _spawn(mp_context: SpawnContext, name: str, kind: str, index: int, entry: st
 
 
 def spawn_engine_core(mp_context: SpawnContext, config: ServeConfig, rank: int) -> Child:
-    entry = SIMULATED_ENGINE_ENTRY if (config.model or "").startswith("sim:") else ENGINE_ENTRY
     return _spawn(
-        mp_context, f"EngineCore_DP{rank}", "engine", rank, entry,
+        mp_context, f"EngineCore_DP{rank}", "engine", rank, ENGINE_ENTRY,
         lambda ready, lifeline: EngineLaunch(config, rank, ready, lifeline),
     )
 

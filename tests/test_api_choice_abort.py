@@ -33,8 +33,6 @@ def stop_string_for_choice_0(texts: list[str]) -> str | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="needs the engine side of AbortRequests.indices (engine branch); "
-                                      "the request path sends it already")
 def test_a_choice_ended_by_a_stop_string_stops_in_the_engine(dev):
     model = httpx.get(f"{dev.base_url}/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "messages": QUESTION, "n": 2, "temperature": 1.0, "max_tokens": 16, "ignore_eos": True}

@@ -71,3 +71,26 @@ def test_cpu_engine_runs_the_lean_forward_in_the_layout_measured_faster():
     embedding = model.get_input_embeddings().weight
     assert embedding.is_contiguous()  # lookups read whole rows; the transformers model itself is left as loaded
     assert model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
+
+
+def test_a_prefix_cache_hash_collision_serves_the_prompts_own_tokens(prompts, monkeypatch):
+    # Every block hashes alike, as crafted prompts could under a weak hash: a second prompt must still get its own
+    # KV, not the cached blocks of the first.
+    import enginecore.block_pool
+    import enginecore.sequence
+
+    def collide(parent, token_ids):
+        return b"collision"
+
+    monkeypatch.setattr(enginecore.block_pool, "hash_block", collide)
+    monkeypatch.setattr(enginecore.sequence, "hash_block", collide, raising=False)  # where it was looked up before
+    engine = make_engine(enable_prefix_caching=True)
+    first, second = prompts[3], prompts[4]  # 85 and 228 tokens: several full blocks each
+    engine.generate([greedy_request("first", first, 1)])
+    out = []
+    engine.add_request(greedy_request("second", second, 8))
+    while engine.has_work():
+        out += [o for _, o in engine.step()]
+    assert [t for o in out for t in o.new_token_ids] == reference_greedy(second, 8)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)  # the chat template's head
+    assert out[0].num_cached_tokens == shared // engine.block_size * engine.block_size  # only what truly matches

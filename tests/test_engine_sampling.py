@@ -106,6 +106,55 @@ def test_abort_frees_the_blocks(engine, prompts):
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_work()
 
 
+def _choices(engine, prompt, request_id, abort_at_step, indices):
+    """Run an n=4 request, aborting `indices` of it before step `abort_at_step` (0: before its first step).
+    Returns {index: (token ids, finish reasons)}."""
+    engine.add_request(_sampled(request_id, prompt, n=4, temperature=1.0, max_tokens=8, ignore_eos=True))
+    got = {}
+
+    def record(out):
+        tokens, reasons = got.setdefault(out.index, ([], []))
+        tokens += out.new_token_ids
+        reasons.append(out.finish_reason)
+
+    step = 0
+    while engine.has_work():
+        if step == abort_at_step:
+            aborted = engine.abort([request_id], indices=indices)
+            assert sorted(o.index for o in aborted) == sorted(indices)
+            assert all(o.finish_reason == "abort" and not o.new_token_ids for o in aborted)
+            for out in aborted:
+                record(out)
+        for _, out in engine.step():
+            record(out)
+        step += 1
+    assert not engine.requests and engine.pool.num_free == engine.pool.num_blocks
+    return got
+
+
+def test_abort_some_choices_of_a_running_request(engine, prompts):
+    got = _choices(engine, prompts[3], "some", abort_at_step=2, indices=[1, 3])
+    assert sorted(got) == [0, 1, 2, 3]
+    for i in (0, 2):  # the others run to the end
+        assert len(got[i][0]) == 8 and got[i][1][-1] == "length"
+    for i in (1, 3):  # a token or two, then the abort, then nothing
+        assert len(got[i][0]) < 8 and got[i][1][-1] == "abort" and got[i][1].count("abort") == 1
+
+
+@pytest.mark.parametrize("indices", [[2], [0, 2], [0, 1, 2, 3]])
+def test_abort_choices_not_forked_yet(engine, prompts, indices):
+    # Before its first step the request is one sequence (choice 0) with choices 1-3 pending: abort some of them,
+    # choice 0 included (the first pending choice then takes its place); the rest run in full.
+    got = _choices(engine, prompts[3], f"pending{len(indices)}", abort_at_step=0, indices=indices)
+    assert sorted(got) == [0, 1, 2, 3]
+    for i in range(4):
+        tokens, reasons = got[i]
+        if i in indices:
+            assert tokens == [] and reasons == ["abort"]
+        else:
+            assert len(tokens) == 8 and reasons[-1] == "length" and "abort" not in reasons
+
+
 def test_priority_policy_runs_lower_values_first(prompts):
     engine = make_engine(scheduling_policy="priority", max_num_seqs=1)
     for i, priority in enumerate([5, 1, 3, 1]):

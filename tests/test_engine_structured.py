@@ -9,7 +9,7 @@ import select
 import jsonschema
 import pytest
 
-from enginecore.structured_output import CompilingRequests
+from enginecore.grammar_compiler import CompilingRequests
 from ipc import grammar as grammars
 from ipc.messages import EngineRequest, FinishReason
 from ipc.sampling import SamplingParams
@@ -130,8 +130,63 @@ def test_the_serve_loop_holds_a_request_while_its_grammar_compiles(engine, promp
     while not ready:
         assert select.select([compiling], [], [], 30)[0], "no compile finished in 30 s"  # it wakes the loop
         ready = compiling.ready()
-    assert ready == [(b"api-0", request)]
+    assert ready == [(b"api-0", request, [])]  # no choice of it was aborted meanwhile
     assert engine.structured.compiler.cached(fresh) is not None
     assert not compiling.hold(b"api-0", request)  # compiled: straight to the engine
     tokens, _ = _run(engine, [request])
     assert re.fullmatch("[0-9]{4}-[0-9]{2}", _text(tokens[("held", 0)]))
+
+
+def test_a_constrained_row_keeps_its_own_mask_when_the_batch_is_sampled_row_by_row(engine, prompts):
+    """A row the sampler cannot take (top_p "x") makes the step sample its rows again one by one: each constrained
+    row under its own row of the mask, from logits the batch attempt left untouched; only the culprit fails."""
+    words = greedy_request("words", prompts[2], 24, grammar=grammars.regex_grammar(WORDS))
+    city = EngineRequest("city", prompts[1], SamplingParams(max_tokens=8, temperature=0.9, seed=3,
+                                                           grammar=grammars.choice_grammar(CITIES)))
+    alone, _ = _run(engine, [words, city])
+    bad = EngineRequest("bad", prompts[0], SamplingParams(max_tokens=8, temperature=1.0, top_p="x"))
+    tokens, last = _run(engine, [greedy_request("plain", prompts[1], 12), bad, words, city])
+    assert last[("bad", 0)].finish_reason == FinishReason.ERROR and "TypeError" in last[("bad", 0)].error
+    assert tokens[("plain", 0)] == reference_greedy(prompts[1], 12)
+    assert tokens[("words", 0)] == alone[("words", 0)] and re.fullmatch(WORDS, _text(tokens[("words", 0)]))
+    assert tokens[("city", 0)] == alone[("city", 0)] and _text(tokens[("city", 0)]) in CITIES
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
+
+
+def test_the_sampler_masks_its_own_copy_of_the_logits(engine):
+    """sample() and sample_each() leave the step's logits as they were, and agree: row 1 may take token 5 only."""
+    import numpy as np
+    import torch
+
+    from enginecore.sequence import Sequence
+    from enginecore.structured_output import TokenMask
+
+    seqs = [Sequence(seq_id=i, request_id=f"r{i}", client=None, index=0, token_ids=[1, 2], num_prompt_tokens=2,
+                     sampling=SamplingParams(temperature=0.0, logprobs=1), priority=0, arrival=i) for i in range(2)]
+    bits = np.zeros((1, (engine.vocab_size + 31) // 32), dtype=np.int32)
+    bits[0, 0] = 1 << 5
+    mask = TokenMask([1], bits, engine.vocab_size)
+    logits = torch.randn(2, engine.vocab_size)
+    before = logits.clone()
+    batch = engine.sampler.sample(logits, seqs, mask)
+    assert torch.equal(logits, before)
+    each = engine.sampler.sample_each(logits, seqs, mask)
+    assert torch.equal(logits, before)
+    assert batch.token_ids == each.token_ids == [int(before[0].argmax()), 5]
+    assert each.errors == [None, None] and batch.logprobs[1][0] == pytest.approx(0.0)  # all the mass on token 5
+
+
+def test_the_serve_loop_hands_on_choices_aborted_while_the_grammar_compiled(engine, prompts):
+    compiling = CompilingRequests(engine.structured.compiler)
+    # A request the engine cannot take is never held: add_request fails it alone.
+    assert not compiling.hold(b"api-1", EngineRequest("odd", [1, "x"], SamplingParams(grammar="{}")))
+    fresh = grammars.regex_grammar("[0-9]{3}-[a-z]{3}")
+    request = EngineRequest("partly", prompts[1], SamplingParams(max_tokens=8, n=3, temperature=0, grammar=fresh))
+    assert compiling.hold(b"api-1", request)
+    assert compiling.abort(b"api-1", ["partly"], [1]) == []  # stopped once it reaches the engine
+    assert compiling.abort(b"api-1", "partly") == [] and compiling.abort(b"api-1", [["partly"]]) == []  # ignored
+    ready = compiling.ready()
+    while not ready:
+        assert select.select([compiling], [], [], 30)[0], "no compile finished in 30 s"
+        ready = compiling.ready()
+    assert ready == [(b"api-1", request, [1])]

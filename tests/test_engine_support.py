@@ -61,12 +61,24 @@ def record_preemptions(engine: EngineCore) -> list[str]:
     preempted: list[str] = []
     preempt = engine.scheduler._preempt
 
-    def recording(seq, batch):
+    def recording(seq):
         preempted.append(seq.request_id)
-        preempt(seq, batch)
+        preempt(seq)
 
     engine.scheduler._preempt = recording
     return preempted
+
+
+def run_outputs(engine: EngineCore, requests: list[EngineRequest]) -> dict[tuple[str, int], list]:
+    """Run `requests` to completion: every output of every choice, in order, by (request_id, index)."""
+    outputs: dict[tuple[str, int], list] = {}
+    for request in requests:
+        for out in engine.add_request(request):
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    while engine.has_work():
+        for _, out in engine.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    return outputs
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, **sampling) -> EngineRequest:

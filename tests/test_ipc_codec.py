@@ -8,11 +8,13 @@ from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineReques
 from ipc.sampling import SamplingParams
 
 RECORDS = [
-    EngineRequest("req-1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], n=2), 3, 1.5),
+    EngineRequest("req-1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], n=2), 3),
     AbortRequests(["req-1", "req-2"]),
+    AbortRequests(["req-1"], indices=[0, 2]),
     UtilityCall(4, "stats", [1]),
     UtilityResult(4, {"num_kv_blocks": 10}, None),
-    EngineOutputs([RequestOutput("req-1", [5, 6], 1, "stop", 7, 3, 0, [[-0.5, [[5, -0.5]]]])], 2, 1, 0.25),
+    EngineOutputs([RequestOutput("req-1", [5, 6], 1, "stop", 7, 3, 0, [[-0.5, [[5, -0.5]]]]),
+                   RequestOutput("req-2", [], 0, "error", error="TypeError: bad temperature")], 2, 1, 0.25),
     EngineDead("engine core 0 failed: RuntimeError: boom"),
 ]
 

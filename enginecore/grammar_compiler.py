@@ -1,0 +1,172 @@
+"""Grammars compiled off the step loop: the engine's compiler and cache, and the serve loop's requests that wait
+for their grammar. No torch here (and no numpy): the serve loop imports this module, and it serves the simulated
+engine too, which takes no grammars (EngineBase.grammar_compiler is None there: nothing is ever held).
+
+- A request's grammar (SamplingParams.grammar, llguidance's JSON text: ipc/grammar.py) is compiled against the
+  model's tokenizer once and cached by that text. The serve loop compiles it in a worker thread (llguidance drops
+  the GIL while compiling) and admits the request when it is done, so a new grammar never stalls the step loop;
+  in-process callers (tests, benchmarks) compile in add_request. The tokenizer's own index is built on the first
+  grammar only: an engine that never sees one never pays for it.
+- What a compiled grammar becomes in the engine (matchers, the step's mask) is enginecore/structured_output.py's.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from enginecore.engine_base import finished_at_once
+from enginecore.request_check import BadRequest, check_request
+from ipc.messages import FinishReason
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 512  # compiled grammars kept (a compiled JSON schema is tens of KB)
+
+
+class CompiledGrammar:
+    """A grammar compiled against the tokenizer: the matcher every sequence copies, or why it failed."""
+
+    __slots__ = ("matcher", "error")
+
+    def __init__(self, matcher=None, error: str | None = None):
+        self.matcher = matcher
+        self.error = error
+
+
+class GrammarCompiler:
+    """Compiles grammars against the model's tokenizer, caches them by their text (LRU), one worker thread."""
+
+    def __init__(self, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer_file = tokenizer_file
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()  # the cache and the tokenizer, shared with the worker
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._worker: ThreadPoolExecutor | None = None
+        self._in_flight: dict[str, Future] = {}
+
+    def cached(self, grammar: str) -> CompiledGrammar | None:
+        with self._lock:
+            compiled = self._cache.get(grammar)
+            if compiled is not None:
+                self._cache.move_to_end(grammar)
+            return compiled
+
+    def compile(self, grammar: str) -> CompiledGrammar:
+        """The compiled grammar, from the cache or compiled now (in the caller's thread)."""
+        compiled = self.cached(grammar)
+        if compiled is None:
+            compiled = self._compile(grammar)
+        return compiled
+
+    def compile_later(self, grammar: str) -> Future:
+        """A future of the compiled grammar, compiled in the worker thread (one future per grammar in flight)."""
+        future = self._in_flight.get(grammar)
+        if future is None:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            future = self._worker.submit(self._compile, grammar)
+            self._in_flight[grammar] = future
+            future.add_done_callback(lambda _: self._in_flight.pop(grammar, None))
+        return future
+
+    def _compile(self, grammar: str) -> CompiledGrammar:
+        import llguidance
+
+        try:
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            error = matcher.get_error() if matcher.is_error() else None
+            compiled = CompiledGrammar(None if error else matcher, error)
+        except Exception as exc:  # a grammar llguidance refuses at the API level
+            compiled = CompiledGrammar(None, f"{type(exc).__name__}: {exc}")
+        if compiled.error:
+            log.warning("a grammar does not compile: %s", compiled.error)
+        with self._lock:
+            self._cache[grammar] = compiled
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                with open(self._tokenizer_file) as f:
+                    text = f.read()
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos_token_ids)
+            return self._tokenizer
+
+
+class CompilingRequests:
+    """The serve loop's requests whose grammar is still compiling in the worker thread: each goes to the engine
+    once its grammar is compiled (then add_request finds it cached and starts at once), so the step loop never
+    waits for a compile. A compile that finishes writes a byte to a socket the loop polls, so an idle loop
+    wakes for it. With no compiler (an engine that takes no grammars) nothing is held."""
+
+    def __init__(self, compiler: GrammarCompiler | None):
+        self._compiler = compiler
+        # (client, request_id) -> [request, future, choices aborted meanwhile], in arrival order
+        self._waiting: dict[tuple, list] = {}
+        self._wakeup, self._wakeup_write = socket.socketpair()
+        self._wakeup.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._wakeup.fileno()
+
+    def hold(self, client: bytes, request) -> bool:
+        """Keep `request` until its grammar is compiled; False when it can go to the engine now (so does one the
+        engine cannot take: add_request fails it alone)."""
+        grammar = request.sampling.grammar
+        if grammar is None or self._compiler is None:
+            return False
+        try:
+            check_request(request)
+        except BadRequest:
+            return False
+        if self._compiler.cached(grammar) is not None:
+            return False
+        future = self._compiler.compile_later(grammar)
+        future.add_done_callback(lambda _: self._wakeup_write.send(b"\0"))
+        self._waiting[(client, request.request_id)] = [request, future, []]
+        return True
+
+    def ready(self) -> list[tuple[bytes, object, list[int]]]:
+        """(client, request, its choices aborted while it waited) of every held request whose grammar is compiled
+        now, in arrival order: the serve loop adds it to the engine, then aborts those choices there."""
+        try:
+            while self._wakeup.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        ready = []
+        for key in [key for key, (_, future, _) in self._waiting.items() if future.done()]:
+            request, _, aborted = self._waiting.pop(key)
+            ready.append((key[0], request, aborted))
+        return ready
+
+    def abort(self, client: bytes, request_ids: list[str], indices: list[int] | None = None) -> list:
+        """Abort held requests: dropped, with an 'abort' output for each of their choices. Only some choices
+        (`indices`): those are stopped once the request reaches the engine (ready() hands them on), as the engine
+        stops a running request's choices."""
+        outputs = []
+        for request_id in request_ids if isinstance(request_ids, list) else ():
+            key = (client, request_id)
+            if not isinstance(request_id, str) or key not in self._waiting:
+                continue
+            if indices is None:
+                outputs += finished_at_once(self._waiting.pop(key)[0], FinishReason.ABORT)
+            elif isinstance(indices, list):
+                self._waiting[key][2] += indices
+        return outputs
+
+    def drop_client(self, client: bytes) -> int:
+        """Forget the held requests of an API server that is gone; how many."""
+        keys = [key for key in self._waiting if key[0] == client]
+        for key in keys:
+            del self._waiting[key]
+        return len(keys)
