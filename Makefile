@@ -3,11 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.supervise-setup
+# The gateway that tests/test_grpc_gateway.py puts in front of `supervise --grpc`: a test partner, never a
+# dependency of ours, so it gets a venv of its own.
+GATEWAY_VENV := .venv-gateway
+GATEWAY_STAMP := $(GATEWAY_VENV)/.supervise-setup
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup gateway serve test bench clean
 
 setup: $(STAMP)
 
@@ -21,11 +25,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m enginecore.model_source
 	touch $(STAMP)
 
+# smg's Python launcher imports these beside its wheel, which does not pull them in.
+$(GATEWAY_STAMP):
+	test -x $(GATEWAY_VENV)/bin/python || $(PYTHON) -m venv $(GATEWAY_VENV)
+	$(GATEWAY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GATEWAY_VENV)/bin/python -m pip install -q smg==1.13.0 setproctitle grpcio grpcio-health-checking pyyaml
+	touch $(GATEWAY_STAMP)
+
+gateway: $(GATEWAY_STAMP)
+
 serve: setup
 	$(VENV)/bin/supervise --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup
+test: setup gateway
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GATEWAY_VENV)

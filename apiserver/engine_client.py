@@ -40,6 +40,11 @@ class EngineDeadError(Exception):
     """The engine core serving a request is gone."""
 
 
+class EngineRequestError(Exception):
+    """The engine failed one of a request's sequences (FinishReason.ERROR); the message is its reason. Here
+    with the engine's other errors, so that the error table (apiserver/errors.py) needs no detokenizer."""
+
+
 class RequestAborted(Exception):
     """This server stopped the request (client disconnect, a stop string, shutdown)."""
 

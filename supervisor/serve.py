@@ -11,6 +11,7 @@ from setproctitle import setproctitle
 from ipc.config import ServeConfig
 from ipc.logs import setup_logging
 from supervisor.events import EventSource, Timers
+from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
 from supervisor.listen_socket import PortInUse, bound_address, open_listen_socket
 from supervisor.signals import SignalInbox
@@ -25,13 +26,18 @@ def serve(config: ServeConfig) -> int:
     setproctitle("supervise: supervisor")
     setup_logging("supervisor", config.log_level)
     notifier = SystemdNotifier()
+    metrics_socket = None
     try:
-        listen_socket = open_listen_socket(config.host, config.port)
+        # --grpc: grpcio binds its own sockets, so the ports are only reserved (supervisor/grpc_mode.py).
+        listen_socket = (reserve_port if config.grpc else open_listen_socket)(config.host, config.port)
+        if config.metrics_port is not None:
+            metrics_socket = reserve_port(config.host, config.metrics_port)
+            config = config.replace(metrics_port=bound_address(metrics_socket)[1])
     except PortInUse as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror}", file=sys.stderr)
+        print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     host, port = bound_address(listen_socket)
     inbox = SignalInbox()  # before any child exists, so a SIGTERM during the model load is heard
@@ -45,6 +51,8 @@ def serve(config: ServeConfig) -> int:
             log.warning("restarting the group in place; the port stays open")
     finally:
         listen_socket.close()
+        if metrics_socket is not None:
+            metrics_socket.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
@@ -68,10 +76,13 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int |
             group.kill_all()
             return 0
         url_host = f"[{host}]" if ":" in host else host
+        scheme = "grpc" if config.grpc else "http"
         summary = (
-            f"serving {config.model_name} on http://{url_host}:{port} with {config.api_server_count} API "
+            f"serving {config.model_name} on {scheme}://{url_host}:{port} with {config.api_server_count} API "
             f"server(s) and {config.data_parallel_size} engine core(s)"
         )
+        if config.metrics_port is not None:
+            summary += f"; metrics on http://{url_host}:{config.metrics_port}/metrics"
         log.info("%s", summary)
         notifier.ready(summary)
         outcome = Watchdog(group, timers, notifier).run(events)
