@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from apiserver.admission import AdmissionControl
 from apiserver.engine_client import EngineClient
 from apiserver.metrics import Metrics
-from apiserver.renderer import Renderer
 from ipc.config import ServeConfig
 from ipc.model_info import ModelInfo
 from ipc.shared_state import GroupState
+
+if TYPE_CHECKING:  # a type only: a gRPC API server has no renderer and must not import the tokenizer
+    from apiserver.renderer import Renderer
 
 
 @dataclass
@@ -18,7 +21,7 @@ class ServerContext:
     config: ServeConfig
     index: int
     model: ModelInfo
-    renderer: Renderer
+    renderer: Renderer | None  # None in a gRPC API server (--grpc): the gateway in front tokenizes
     engine: EngineClient
     group: GroupState | None
     admission: AdmissionControl

@@ -28,8 +28,10 @@ import zmq
 from apiserver.engine_loads import EngineLoads, GroupInFlight
 from ipc import codec
 from ipc.curve import CurveKeys
+from ipc.launch import ApiServerLaunch
 from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
 from ipc.sampling import SamplingParams
+from ipc.shared_state import GroupState
 from ipc.sockets import api_server_identity, connect_dealer
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,11 @@ class EngineDeadError(Exception):
 
 class UnknownRank(ValueError):
     """A request pinned to a data-parallel rank this group does not serve."""
+
+
+class EngineRequestError(Exception):
+    """The engine failed one of a request's sequences (FinishReason.ERROR); the message is its reason. Here
+    with the engine's other errors, so that the error table (apiserver/errors.py) needs no detokenizer."""
 
 
 class RequestAborted(Exception):
@@ -120,6 +127,14 @@ class EngineClient:
         self.down: dict[int, str] = {}  # engine (position) -> why it is down, for good
         self._unanswered: dict[int, str] = {}  # engine -> why it counts as not answering (missed pings)
 
+    @classmethod
+    def for_launch(cls, launch: ApiServerLaunch, group: GroupState) -> "EngineClient":
+        """The engine client of the API server `launch` starts (HTTP or gRPC alike): every rank of the group, its
+        in-flight count published in the server's shared-memory slot."""
+        index = launch.index
+        return cls(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
+                   ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index))
+
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
         """Start reading, then ping every engine not down: returns once all answered, raises TimeoutError if not."""
@@ -180,6 +195,10 @@ class EngineClient:
             self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority))
         self._in_flight_changed()
         return stream
+
+    def ranks_of(self, stream: RequestStream) -> list[int]:
+        """The data-parallel rank each engine request of `stream` went to."""
+        return [self.ranks[engine] for engine in stream.engines.values()]
 
     def engine_of_rank(self, rank: int) -> int:
         """The position of data-parallel `rank`, which must be up: UnknownRank / EngineDeadError otherwise."""

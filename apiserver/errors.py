@@ -12,8 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from apiserver.engine_client import EngineDeadError, UnknownRank
-from apiserver.generation import EngineRequestError
+from apiserver.engine_client import EngineDeadError, EngineRequestError, UnknownRank
 
 # nginx's status for a client that closed the connection before it was answered: nobody reads the answer,
 # but /metrics counts it as the client's doing (4xx), not the server's.

@@ -14,7 +14,7 @@ import time
 from typing import NamedTuple
 
 from apiserver.detokenizer import IncrementalDetokenizer
-from apiserver.engine_client import EngineClient, RequestAborted, RequestStream
+from apiserver.engine_client import EngineClient, EngineRequestError, RequestAborted, RequestStream
 from ipc.messages import FinishReason
 from ipc.sampling import SamplingParams
 
@@ -22,10 +22,6 @@ from ipc.sampling import SamplingParams
 # random prefix and a counter make them so, across API servers and restarts.
 _PROCESS_TAG = os.urandom(4).hex()
 _COUNTER = itertools.count()
-
-
-class EngineRequestError(Exception):
-    """The engine failed one of this request's sequences (FinishReason.ERROR); the message is its reason."""
 
 
 class Delta(NamedTuple):
@@ -119,8 +115,7 @@ class Generation:
     @property
     def ranks(self) -> list[int]:
         """The data-parallel rank of each engine request, once started."""
-        ranks = self._engine.ranks
-        return [ranks[engine] for engine in self._stream.engines.values()]
+        return self._engine.ranks_of(self._stream)
 
     @property
     def done(self) -> bool:

@@ -19,6 +19,9 @@ PREFIX = "supervise_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
+# The status codes a gRPC API server (--grpc) ends calls with.
+GRPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",
+              "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED")
 
 # Counter name -> (help, labels per slot). Each (name, label) pair is one float64 slot in the file.
 _COUNTERS = {
@@ -30,6 +33,8 @@ _COUNTERS = {
     # Per data-parallel rank: the label is the rank (vLLM's `engine` label); only the group's ranks are shown.
     "engine_requests_total": ("Engine requests sent to each data-parallel rank, by every API server.",
                               [f'engine="{r}"' for r in range(MAX_RANKS)]),
+    "grpc_requests_total": ("gRPC calls answered by the API servers (--grpc), by status code.",
+                            [f'code="{c}"' for c in GRPC_CODES]),
 }
 # Gauges per rank, as the API server answering the scrape sees each engine (EngineClient.rank_views).
 _RANK_GAUGES = {
@@ -80,9 +85,15 @@ class Metrics:
         self._values = memoryview(self._map).cast("d")
         self._runtime_dir = runtime_dir
         self._status_slot = {s[0]: _SLOTS[("http_requests_total", f'status="{s}"')] for s in STATUS_CLASSES}
+        self._grpc_slot = {c: _SLOTS[("grpc_requests_total", f'code="{c}"')] for c in GRPC_CODES}
 
     def count_status(self, status: int) -> None:
         slot = self._status_slot.get(str(status)[0])
+        if slot is not None:
+            self._values[slot] += 1
+
+    def count_grpc(self, code: str) -> None:
+        slot = self._grpc_slot.get(code)
         if slot is not None:
             self._values[slot] += 1
 

@@ -70,7 +70,6 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     from apiserver.app import build_app
     from apiserver.context import ServerContext
     from apiserver.engine_client import EngineClient
-    from apiserver.engine_loads import GroupInFlight
     from apiserver.engine_watch import watch_engines
     from apiserver.metrics import Metrics
     from apiserver.server import beat_forever, build_http_server
@@ -78,10 +77,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     config, index, listen_socket, model, ready = (
         launch.config, launch.index, launch.listen_socket, launch.model, launch.ready
     )
-    engine = EngineClient(
-        list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
-        ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index),
-    )
+    engine = EngineClient.for_launch(launch, group)
     ctx = ServerContext(
         config=config,
         index=index,

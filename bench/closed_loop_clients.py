@@ -77,15 +77,16 @@ def _client_process(pipe) -> None:
 
 
 class ClosedLoopClients:
-    """`processes` client processes; `run` splits the concurrency among them and sums what they did."""
+    """`processes` client processes; `run` splits the concurrency among them and sums what they did. `worker` is
+    what each process runs: this HTTP client, or another speaking the same pipe protocol (bench/grpc_clients.py)."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, worker=_client_process):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no parent loop or threads
         self.pipes = []
         self.processes = []
         for _ in range(processes):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_client_process, args=(child_end,), daemon=True)
+            process = context.Process(target=worker, args=(child_end,), daemon=True)
             process.start()
             self.pipes.append(parent_end)
             self.processes.append(process)

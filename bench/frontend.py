@@ -17,6 +17,13 @@ say whether the simulated engine or the client ran out of CPU before the API ser
 
 `--vllm-url/--vllm-pid` runs the requests and paced phases against another server (its own engine paces the
 streams) and charges the CPU of that one process (its API server), side by side.
+
+`--grpc` adds gRPC API servers (`supervise --grpc`) to the same run, at each `--grpc-servers` count (default 1 and
+8; the HTTP servers then default to one), with the same phases as Generate calls carrying the token ids the
+HTTP server renders for the same chat (bench/grpc_clients.py): the cost of the gRPC front end against the HTTP
+one, and of 8 gRPC servers against 1.
+
+    .venv/bin/python bench/frontend.py --grpc
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from closed_loop_clients import ClosedLoopClients  # noqa: E402
+from grpc_clients import GENERATE_PATH, generate_body, grpc_client_process  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body  # noqa: E402
 from process_usage import cpu_seconds, cpu_spent, rss_mb, titled_children, torch_loaded  # noqa: E402
@@ -42,8 +50,11 @@ PROMPT = "Tell me about Paris, the capital of France, in a few sentences."
 def parse_args(argv=None) -> argparse.Namespace:
     cores = os.cpu_count() or 1
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", type=int, nargs="+", default=[n for n in (1, 2, 4, 8) if n <= cores],
-                   help="API server counts to sweep (default: 1, 2, 4, 8 up to the core count)")
+    p.add_argument("--servers", type=int, nargs="+", default=None,
+                   help="API server counts to sweep (default: 1, 2, 4, 8 up to the core count; 1 with --grpc)")
+    p.add_argument("--grpc", action="store_true", help="also measure gRPC API servers (supervise --grpc)")
+    p.add_argument("--grpc-servers", type=int, nargs="+", default=[1, 8],
+                   help="gRPC API server counts to measure with --grpc (default: 1 8)")
     p.add_argument("--sim-ms", type=float, default=1.0, help="the simulated engine's step interval")
     p.add_argument("--engines", type=int, default=1 if cores < 8 else cores // 4,
                    help="simulated engine cores (--data-parallel-size): one process paces at most ~60k tokens/s "
@@ -66,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.vllm_url) != bool(args.vllm_pid):
         p.error("--vllm-url and --vllm-pid go together")
+    if args.servers is None:
+        args.servers = [1] if args.grpc else [n for n in (1, 2, 4, 8) if n <= cores]
     return args
 
 
@@ -79,14 +92,37 @@ def phase_plan(model: str, args) -> dict[str, tuple[bytes, int]]:
     }
 
 
+def grpc_phase_plan(prompt: list[int], args) -> dict[str, tuple[bytes, int]]:
+    """phase_plan's phases as Generate calls: the same prompt tokens, the same counts of output tokens."""
+    return {
+        "requests": (generate_body(prompt, 1, stream=False, ignore_eos=False), 1),
+        "streams": (generate_body(prompt, args.stream_tokens, stream=True, ignore_eos=True), args.stream_tokens),
+        "paced": (generate_body(prompt, args.paced_tokens, stream=True, ignore_eos=True), args.paced_tokens),
+    }
+
+
+def chat_prompt_ids(server) -> list[int]:
+    """The token ids the HTTP server renders for phase_plan's chat (the model's chat template and tokenizer, from
+    the directory the gRPC server reports), so both front ends are handed the same prompt."""
+    from smg_grpc_proto import vllm_engine_pb2 as pb
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = server.stub().GetModelInfo(pb.GetModelInfoRequest()).model_path
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def run_phase(clients: ClosedLoopClients, url: str, body: bytes, tokens: int, concurrency: int,
               api: dict[str, psutil.Process], others: dict[str, psutil.Process], args) -> dict:
     """One closed-loop phase; `api` are the processes charged, `others` are watched (engine, supervisor)."""
+    path = GENERATE_PATH if url.startswith("grpc://") else CHAT_PATH
     if args.warmup > 0:
-        clients.run(url, CHAT_PATH, body, concurrency, args.warmup, tokens)
+        clients.run(url, path, body, concurrency, args.warmup, tokens)
     watched = {**api, **others}
     before, started = cpu_seconds(watched), time.perf_counter()
-    done = clients.run(url, CHAT_PATH, body, concurrency, args.duration, tokens)
+    done = clients.run(url, path, body, concurrency, args.duration, tokens)
     spent, wall = cpu_spent(before, cpu_seconds(watched)), time.perf_counter() - started
     api_cpu = sum(spent[k] for k in api)
     return {
@@ -123,7 +159,7 @@ def row_from_phases(label: str, count: int, phases: dict, rss: dict[str, float],
     }
 
 
-def measure_ours(clients: ClosedLoopClients, count: int, args) -> dict:
+def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = False) -> dict:
     """The saturating phases on a fast simulated engine, the paced one on a slow one: two group starts."""
     from supervise_launcher import start_supervise
 
@@ -134,14 +170,14 @@ def measure_ours(clients: ClosedLoopClients, count: int, args) -> dict:
         # --max-num-seqs: the simulated engine runs at most that many sequences per step; here every stream at once.
         server = start_supervise(["--model", model, "--api-server-count", str(count),
                                   "--data-parallel-size", str(args.engines), "--max-num-seqs", "65536"],
-                                 args.server_timeout)
+                                 args.server_timeout, grpc=grpc)
         try:
             group = titled_children(server.pid)
             api = {k: v for k, v in group.items() if k.startswith("ApiServer_")}
             if len(api) != count:
                 raise RuntimeError(f"expected {count} API servers, found {sorted(api)}")
             others = {**{k: v for k, v in group.items() if k not in api}, "supervisor": psutil.Process(server.pid)}
-            plan = phase_plan(model, args)
+            plan = grpc_phase_plan(chat_prompt_ids(server), args) if grpc else phase_plan(model, args)
             for name in names:
                 body, tokens = plan[name]
                 concurrency = count * (per_server or (args.request_concurrency if name == "requests"
@@ -153,7 +189,7 @@ def measure_ours(clients: ClosedLoopClients, count: int, args) -> dict:
                 torch[k] = v or torch.get(k, False)
         finally:
             server.stop()
-    return row_from_phases(f"supervise x{count}", count, phases, rss, torch)
+    return row_from_phases(f"supervise{' --grpc' if grpc else ''} x{count}", count, phases, rss, torch)
 
 
 def measure_other(clients: ClosedLoopClients, args) -> dict:
@@ -172,8 +208,10 @@ def measure_other(clients: ClosedLoopClients, args) -> dict:
 
 
 def add_efficiency(rows: list[dict]) -> None:
-    one = next((r for r in rows if r["api_servers"] == 1 and r["label"].startswith("supervise")), None)
+    """Against one server of the same front end (HTTP rows against HTTP x1, gRPC rows against gRPC x1)."""
     for row in rows:
+        kind = row["label"].split(" x")[0]
+        one = next((r for r in rows if r["api_servers"] == 1 and r["label"].split(" x")[0] == kind), None)
         for key, out in (("requests_per_s", "request_scaling"), ("tokens_per_s", "token_scaling")):
             ok = one and one[key] and row[key] is not None and row["label"].startswith("supervise")
             row[out] = row[key] / (row["api_servers"] * one[key]) if ok else None
@@ -212,23 +250,29 @@ def print_table(rows: list[dict]) -> None:
           f"<= {TARGETS['us_per_token']:g} us per streamed token (paced), "
           f"< {TARGETS['rss_mb']:g} MB RSS per API server, torch loaded in none")
     print("us/req, us/tok: CPU of all API servers together per request / per streamed token; eff: throughput of N / "
-          "(N x throughput of one);\nev/tok: SSE events per token (below 1: tokens coalesced under saturation); "
+          "(N x throughput of one);\nev/tok: SSE events (gRPC: messages) per token (below 1: tokens coalesced under saturation); "
           "engine%: the busiest engine process's CPU share, client%: the clients' (saturated stream phase)")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     clients = ClosedLoopClients(args.client_processes)
+    grpc_clients = ClosedLoopClients(args.client_processes, worker=grpc_client_process) if args.grpc else None
     rows = []
     try:
         for count in args.servers:
             print(f"measuring {count} API server(s) ...", flush=True)
             rows.append(measure_ours(clients, count, args))
+        for count in args.grpc_servers if args.grpc else ():
+            print(f"measuring {count} gRPC API server(s) ...", flush=True)
+            rows.append(measure_ours(grpc_clients, count, args, grpc=True))
         if args.vllm_url:
             print(f"measuring {args.vllm_url} (pid {args.vllm_pid}) ...", flush=True)
             rows.append(measure_other(clients, args))
     finally:
         clients.close()
+        if grpc_clients is not None:
+            grpc_clients.close()
     add_efficiency(rows)
     setup = (f"per API server: {args.request_concurrency} 1-token requests or {args.stream_concurrency} streams of "
              f"{args.stream_tokens} tokens on sim:{args.sim_ms:g}, {args.paced_concurrency} paced streams of "
@@ -243,7 +287,7 @@ def main(argv=None) -> int:
     if args.plot:
         from frontend_plot import plot_frontend
 
-        plot_frontend([r for r in rows if r["label"].startswith("supervise")], setup, args.plot, TARGETS)
+        plot_frontend([r for r in rows if r["label"].startswith("supervise x")], setup, args.plot, TARGETS)
     return 0
 
 

@@ -27,10 +27,17 @@ def _use_module_when_no_script() -> None:
     supervise_process.SUPERVISE = wrapper
 
 
-def start_supervise(args: str | list[str], timeout: float = 600.0) -> Supervise:
-    """A serving `supervise ARGS` (a string is split as a shell would); stop it with `.stop()`."""
+def start_supervise(args: str | list[str], timeout: float = 600.0, grpc: bool = False) -> Supervise:
+    """A serving `supervise ARGS` (a string is split as a shell would), with `--grpc` when `grpc`; stop it with
+    `.stop()`. Its `url` is http://HOST:PORT, or grpc://HOST:PORT."""
     _use_module_when_no_script()
-    server = Supervise(*(shlex.split(args) if isinstance(args, str) else args))
+    args = shlex.split(args) if isinstance(args, str) else args
+    if grpc:
+        from tests.grpc_support import GrpcSupervise
+
+        server = GrpcSupervise(*args)
+    else:
+        server = Supervise(*args)
     try:
         return server.wait_serving(timeout)
     except BaseException:

@@ -40,7 +40,7 @@ def _on_signal(signum, frame):
 
 
 def run_engine_core(launch: EngineLaunch) -> None:
-    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
+    config, rank, lifeline = launch.config, launch.rank, launch.lifeline
     try:
         from setproctitle import setproctitle
 

@@ -55,6 +55,8 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
     timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
+    grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP
+    metrics_port: int | None = None  # --grpc: Prometheus metrics over HTTP here, since gRPC has no /metrics
     # Chat: tools and reasoning (vLLM's options).
     chat_template: str | None = None  # the template's text (--chat-template names a file or gives the text)
     enable_auto_tool_choice: bool = False

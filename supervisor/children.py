@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 ENGINE_ENTRY = "enginecore.process:run_engine_core"  # the real engine, or the simulated one for `--model sim:<ms>`
 API_SERVER_ENTRY = "apiserver.process:run_api_server"
+# --grpc: the same API server role (same contract, heartbeat, restart and drain) speaking gRPC instead of HTTP.
+GRPC_API_SERVER_ENTRY = "apiserver.grpc.process:run_grpc_api_server"
 
 
 @dataclass(eq=False)  # a child is itself, not its fields
@@ -110,7 +112,7 @@ def spawn_api_server(
     """`engines`: rank -> address of every engine the server reaches."""
     ranks = tuple(sorted(engines))
     return _spawn(
-        mp_context, f"ApiServer_{index}", "api", index, API_SERVER_ENTRY,
+        mp_context, f"ApiServer_{index}", "api", index, GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
         lambda ready, lifeline: ApiServerLaunch(
             config, index, listen_socket, model, tuple(engines[r] for r in ranks), shared_state_name, ready,
             lifeline, ranks, curve,

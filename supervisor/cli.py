@@ -182,6 +182,11 @@ def _positive(click_context, param, value):
 @click.option("--middleware", multiple=True, metavar="MODULE:OBJECT",
               help="Extra ASGI middleware (a class, or `async def f(request, call_next)`); repeatable, "
                    "outermost first.")
+@click.option("--grpc", is_flag=True,
+              help="Serve gRPC instead of HTTP on --port: the vllm.grpc.engine.VllmEngine service of smg-grpc-proto "
+                   "(token ids in and out), for a gateway such as smg that tokenizes itself.")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="With --grpc: serve Prometheus metrics (the whole group's) at http://HOST:PORT/metrics.")
 @click.option("--chat-template", default=None, callback=_chat_template,
               help="The chat template to render messages with, instead of the model's: a file, or the template "
                    "itself. templates/tool_chat_template_hermes.jinja gives the embedded model tools and thinking.")
@@ -213,6 +218,7 @@ def main(**options) -> None:
 
 
 def build_config(options: dict) -> ServeConfig:
+    from supervisor.grpc_mode import option_conflict
     from supervisor.layout import BadLayout, layout_of
 
     if options.get("enable_auto_tool_choice") and not options.get("tool_call_parser"):
@@ -222,6 +228,9 @@ def build_config(options: dict) -> ServeConfig:
         layout_of(config)
     except BadLayout as exc:
         raise click.UsageError(str(exc)) from None
+    conflict = option_conflict(config)
+    if conflict:
+        raise click.UsageError(conflict)
     return config
 
 

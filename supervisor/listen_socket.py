@@ -22,13 +22,20 @@ def open_listen_socket(host: str, port: int, backlog: int = 4096) -> socket.sock
     inherited = _systemd_socket()
     if inherited is not None:
         return inherited
+    sock = bind_shared_port(host, port)
+    sock.listen(backlog)
+    return sock
+
+
+def bind_shared_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port that the group's servers may share (SO_REUSEPORT), not listening yet.
+    Raises PortInUse when another process holds the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     _refuse_if_taken(family, host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
 

@@ -12,6 +12,7 @@ from ipc.config import ServeConfig
 from ipc.curve import KeyProblem, load_keys, warn_if_unauthenticated
 from ipc.logs import setup_logging
 from supervisor.events import EventSource, Timers
+from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
 from supervisor.layout import layout_of
 from supervisor.registration import Registry
@@ -34,13 +35,18 @@ def serve(config: ServeConfig) -> int:
     except KeyProblem as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return 2
+    metrics_socket = None
     try:
-        listen_socket = open_listen_socket(config.host, config.port)
+        # --grpc: grpcio binds its own sockets, so the ports are only reserved (supervisor/grpc_mode.py).
+        listen_socket = (reserve_port if config.grpc else open_listen_socket)(config.host, config.port)
+        if config.metrics_port is not None:
+            metrics_socket = reserve_port(config.host, config.metrics_port)
+            config = config.replace(metrics_port=bound_address(metrics_socket)[1])
     except PortInUse as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror}", file=sys.stderr)
+        print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     host, port = bound_address(listen_socket)
     registry = None
@@ -49,6 +55,8 @@ def serve(config: ServeConfig) -> int:
             registry = Registry(config, layout, curve)
         except OSError as exc:
             listen_socket.close()
+            if metrics_socket is not None:
+                metrics_socket.close()
             print(f"supervise: error: {exc}", file=sys.stderr)
             return 1
         log.info("%s; registration port %s", layout.describe(), registry.address)
@@ -66,6 +74,8 @@ def serve(config: ServeConfig) -> int:
         listen_socket.close()
         if registry is not None:
             registry.close()
+        if metrics_socket is not None:
+            metrics_socket.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
@@ -92,11 +102,14 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry
             return 0
         url_host = f"[{host}]" if ":" in host else host
         engines = len(group.layout.served_ranks)
+        scheme = "grpc" if config.grpc else "http"
         summary = (
-            f"serving {config.model_name} on http://{url_host}:{port} with {config.api_server_count} API "
+            f"serving {config.model_name} on {scheme}://{url_host}:{port} with {config.api_server_count} API "
             f"server(s) and {engines} engine core(s)"
             + (f" ({group.layout.describe()})" if group.layout.remote_ranks or group.layout.external else "")
         )
+        if config.metrics_port is not None:
+            summary += f"; metrics on http://{url_host}:{config.metrics_port}/metrics"
         log.info("%s", summary)
         notifier.ready(summary)
         outcome = Watchdog(group, timers, notifier).run(events)

@@ -1,0 +1,158 @@
+"""Entry point of a gRPC API server process (`supervise --grpc`), started by the supervisor with `spawn`.
+
+CONTRACT: the HTTP API server's (apiserver/process.py), the same one argument (ipc.launch.ApiServerLaunch) and
+the same duties: process title `supervise: ApiServer_<index>`, its shared-memory slot, a heartbeat from the
+event loop, READY once it serves, exit code 3 when an engine stops answering, SIGTERM drains (running calls
+finish, up to --shutdown-timeout), a second SIGTERM stops at once.
+
+One difference: `launch.listen_socket` is the supervisor's reservation of the port, bound but never listening
+(supervisor/grpc_mode.py). grpcio cannot adopt a socket, so this server binds its own on the same address with
+SO_REUSEPORT and the kernel spreads new connections over the group's servers. During a rolling restart the
+replacement binds and serves before its predecessor drains; a draining server stops listening and sends its
+connections GOAWAY, so clients reconnect to the servers that still listen.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+import uvloop
+from setproctitle import setproctitle
+
+from apiserver.admission import AdmissionControl
+from apiserver.context import ServerContext
+from apiserver.engine_client import EngineClient
+from apiserver.engine_watch import watch_engines
+from apiserver.grpc.metrics_http import serve_metrics
+from apiserver.grpc.registration import NOT_SERVING, SERVICE_NAME, SERVING, add_services
+from apiserver.grpc.servicer import VllmEngineService
+from apiserver.metrics import Metrics
+from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT
+from apiserver.server import StopSignals, beat_forever
+from ipc.launch import ApiServerLaunch
+from ipc.lifeline import die_with_parent
+from ipc.logs import setup_logging
+from ipc.shared_state import GroupState
+
+log = logging.getLogger("apiserver")
+
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 1),  # the group's servers share the port (grpcio's default, stated)
+    ("grpc.max_send_message_length", -1),  # what we send is ours to size (the tokenizer comes in chunks anyway)
+    # Gateways keep their channel alive with pings, also between calls and while a long non-streamed call
+    # sends nothing; without these grpcio answers such pings with GOAWAY "too_many_pings".
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+def run_grpc_api_server(launch: ApiServerLaunch) -> None:
+    config, index, model = launch.config, launch.index, launch.model
+    setproctitle(f"supervise: ApiServer_{index}")
+    setup_logging(f"ApiServer_{index}", config.log_level)
+    die_with_parent(launch.lifeline)
+    stop = StopSignals()
+    launch.listen_socket.close()  # the supervisor's reservation stays with the supervisor
+    group = GroupState.attach(launch.shared_state_name)
+    group.claim(index, os.getpid())
+    engine = EngineClient.for_launch(launch, group)
+    ctx = ServerContext(
+        config=config, index=index, model=model, renderer=None, engine=engine, group=group,
+        admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
+        metrics=Metrics(config.runtime_dir, index),
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        exit_code = runner.run(_serve(ctx, launch.ready, stop))
+    group.close()
+    log.info("stopped")
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
+    config, engine = ctx.config, ctx.engine
+    health = _HealthReport(ctx)
+    heartbeat = asyncio.create_task(beat_forever(ctx.group, ctx.index, health.update), name="heartbeat")
+    try:
+        ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
+        await engine.start(ENGINE_PING_TIMEOUT)
+        # --max-request-body-bytes bounds a request message, as it bounds an HTTP body.
+        server = grpc.aio.server(
+            options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes))
+        )
+        health.servicer = add_services(server, VllmEngineService(ctx))
+        await health.servicer.set(SERVICE_NAME, SERVING)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        server.add_insecure_port(f"{host}:{config.port}")
+        await server.start()
+        metrics_server = None
+        if config.metrics_port is not None:
+            metrics_server = await serve_metrics(config.host, config.metrics_port, lambda: ctx.metrics.exposition(
+                ctx.group, ctx.model_name, ctx.engine.rank_views()))
+        ready.send(True)
+        stopping = _StopRequests(server, stop)
+        watcher = asyncio.create_task(watch_engines(engine, config.engine_ping_interval, stopping.engine_gone,
+                                                     ctx.sync_down_ranks),
+                                      name="engine-watch")
+        await stopping.wait()
+        watcher.cancel()
+        await health.servicer.enter_graceful_shutdown()
+        if metrics_server is not None:
+            metrics_server.close()
+        await server.stop(config.shutdown_timeout)
+        return ENGINE_GONE_EXIT_CODE if stopping.gone else 0
+    finally:
+        heartbeat.cancel()
+        await engine.close()
+
+
+class _StopRequests:
+    """SIGTERM/SIGINT start the drain; a second one cuts it short (running calls are cancelled). An engine that
+    stopped answering drains the server too, and the process then exits with ENGINE_GONE_EXIT_CODE."""
+
+    def __init__(self, server: grpc.aio.Server, early: StopSignals):
+        self._server = server
+        self._event = asyncio.Event()
+        self.gone: str | None = None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        if early.received:  # read after our handlers took over: a signal is seen by one or the other
+            self._event.set()
+
+    def _on_signal(self) -> None:
+        if self._event.is_set():
+            log.warning("second stop signal: cancelling the calls still running")
+            asyncio.ensure_future(self._server.stop(None))
+        self._event.set()
+
+    def engine_gone(self, reason: str) -> None:
+        log.error("stopping: %s", reason)
+        self.gone = reason
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class _HealthReport:
+    """Each heartbeat: the standard health service says NOT_SERVING while the engine is dead or not answering
+    its pings (what the HTTP server's /health says with 503), SERVING again once it answers."""
+
+    def __init__(self, ctx: ServerContext):
+        self._ctx = ctx
+        self.servicer = None  # grpc_health's aio HealthServicer, once the server exists
+        self._status = SERVING
+
+    def update(self) -> None:
+        if self.servicer is None:
+            return
+        reason = self._ctx.engine_dead_reason() or self._ctx.engine.unanswered_reason
+        status = SERVING if reason is None else NOT_SERVING
+        if status != self._status:
+            self._status = status
+            for service in ("", SERVICE_NAME):
+                asyncio.ensure_future(self.servicer.set(service, status))

@@ -1,0 +1,284 @@
+"""`supervise --grpc`: the VllmEngine service as a grpcio client generated from the published proto sees it.
+
+One group for the module: the simulated engine (it emits the tokens of a fixed sentence, which the embedded
+model's tokenizer decodes), two gRPC API servers, metrics on their own port.
+"""
+import hashlib
+import io
+import json
+import time
+import zipfile
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
+from tokenizers import Tokenizer
+
+from tests.grpc_support import SERVICE, GrpcSupervise, error_of, generate_request, health_status
+from tests.supervise_process import title_of
+
+SENTENCE_START = "Paris is the capital of France."
+PROMPT = [1, 9690, 198, 2683, 359, 253]
+
+
+@pytest.fixture(scope="module")
+def group():
+    with GrpcSupervise("--model", "sim:10", "--api-server-count", "2", "--metrics-port", "0") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stub(group):
+    return group.stub()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stub):
+    """The tokenizer this server streams (GetTokenizer), loaded as the gateway would load it."""
+    chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert all(not c.sha256 for c in chunks[:-1])
+    with zipfile.ZipFile(io.BytesIO(data)) as bundle:
+        assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(bundle.namelist())
+        return Tokenizer.from_str(bundle.read("tokenizer.json").decode())
+
+
+def engine_running(stub) -> int:
+    return stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_running_reqs
+
+
+def wait_engine_idle(stub, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine_running(stub):
+        assert time.monotonic() < deadline, "the engine still runs requests"
+        time.sleep(0.05)
+
+
+def test_streamed_generate_sends_deltas_then_a_complete_per_sample(stub, tokenizer):
+    responses = list(stub.Generate(generate_request(PROMPT, "stream-1", stream=True, max_tokens=6, n=2,
+                                                    ignore_eos=True, logprobs=2, prompt_logprobs=1)))
+    for index in (0, 1):
+        chunks = [r.chunk for r in responses if r.HasField("chunk") and r.chunk.index == index]
+        (complete,) = [r.complete for r in responses if r.HasField("complete") and r.complete.index == index]
+        streamed = [t for c in chunks for t in c.token_ids]
+        assert len(streamed) == 6 and all(c.completion_tokens == len(c.token_ids) for c in chunks)
+        assert list(complete.output_ids) == streamed
+        assert tokenizer.decode(streamed).startswith("Paris is the capital")
+        assert (complete.finish_reason, complete.prompt_tokens, complete.completion_tokens) == ("length", 6, 6)
+        assert [len(c.output_logprobs.top_logprobs[0].values) for c in chunks] == [2] * len(chunks)
+        assert [c.output_logprobs.token_ids[0] for c in chunks] == streamed
+        first = chunks[0].input_logprobs
+        assert list(first.token_ids) == PROMPT and len(first.token_logprobs) == len(PROMPT)
+        assert not first.token_logprobs[0].HasField("value") and first.token_logprobs[1].HasField("value")
+        assert all(not c.HasField("input_logprobs") for c in chunks[1:])
+
+
+def test_whole_generate_sends_one_complete_per_sample(stub, tokenizer):
+    responses = list(stub.Generate(generate_request(PROMPT, max_tokens=5, n=3, logprobs=0)))
+    assert all(r.HasField("complete") for r in responses)
+    assert sorted(r.complete.index for r in responses) == [0, 1, 2]
+    for r in responses:
+        assert len(r.complete.output_ids) == 5 and r.complete.finish_reason == "length"
+        assert list(r.complete.output_logprobs.token_ids) == list(r.complete.output_ids)
+        assert tokenizer.decode(list(r.complete.output_ids)) == "Paris is the capital of"
+
+
+def test_valid_constraints_are_taken(stub):
+    """Compiled and handed to the engine (the simulated one ignores them: tests/test_grpc_gateway.py checks the
+    real model's output under them)."""
+    for constraint in (dict(json_schema='{"type": "object"}'), dict(json_object=True), dict(regex="[a-z]+"),
+                       dict(choice=pb.ChoiceConstraint(choices=["yes", "no"])), dict(grammar='start: "a"+')):
+        (response,) = stub.Generate(generate_request(PROMPT, max_tokens=2, **constraint))
+        assert response.complete.finish_reason == "length", constraint
+
+
+def test_eos_stop_token_and_prompt_only(stub, tokenizer):
+    (eos,) = stub.Generate(generate_request(PROMPT, max_tokens=200))
+    assert eos.complete.finish_reason == "stop" and tokenizer.decode(list(eos.complete.output_ids)).startswith(
+        SENTENCE_START)
+    the = tokenizer.encode(" the", add_special_tokens=False).ids[0]
+    (stopped,) = stub.Generate(generate_request(PROMPT, max_tokens=50, stop_token_ids=[the]))
+    assert stopped.complete.finish_reason == "stop" and stopped.complete.matched_token_id == the
+    assert stopped.complete.output_ids[-1] == the
+    (prompt_only,) = stub.Generate(generate_request(PROMPT, max_tokens=0, prompt_logprobs=0))
+    assert len(prompt_only.complete.output_ids) == 0 and prompt_only.complete.finish_reason == "length"
+    assert len(prompt_only.complete.input_logprobs.token_logprobs) == len(PROMPT)
+
+
+BAD_REQUESTS = [
+    ("empty prompt", generate_request([], max_tokens=2), "is empty"),
+    ("text input", pb.GenerateRequest(text="hello"), "needs a tokenizer"),
+    ("no input", pb.GenerateRequest(), "no input"),
+    ("id outside the vocabulary", generate_request([1, 49152], max_tokens=2), "outside the vocabulary"),
+    ("prompt longer than the model", generate_request([5] * 9000, max_tokens=2), "maximum context length"),
+    ("max_tokens 0 without prompt logprobs", generate_request(PROMPT, max_tokens=0), "max_tokens"),
+    ("max_tokens huge", generate_request(PROMPT, max_tokens=4_000_000_000), "maximum context length"),
+    ("n 1000", generate_request(PROMPT, max_tokens=2, n=1000), "`n` is 1000"),
+    ("schema that is not JSON", generate_request(PROMPT, json_schema="{not json"), "`sampling_params.json_schema`"),
+    ("schema of the wrong type", generate_request(PROMPT, json_schema='{"type": 3}'), "`sampling_params.json_schema`"),
+    ("regex that does not compile", generate_request(PROMPT, regex="(a"), "`sampling_params.regex`"),
+    ("no choices", generate_request(PROMPT, choice=pb.ChoiceConstraint(choices=[])), "list of choices is empty"),
+    ("grammar that does not parse", generate_request(PROMPT, grammar="start: (("), "`sampling_params.grammar`"),
+    ("structural tag", generate_request(PROMPT, structural_tag="{}"), "`structural_tag` are not supported"),
+    ("logit bias", generate_request(PROMPT, logit_bias={5: 1.0}), "logit_bias"),
+    ("all logprobs", generate_request(PROMPT, logprobs=-1), "logprobs"),
+    ("temperature", generate_request(PROMPT, temperature=-1.0), "temperature"),
+    ("top_p", generate_request(PROMPT, top_p=1.5), "top_p"),
+    ("stop token outside the vocabulary", generate_request(PROMPT, stop_token_ids=[10**6]), "stop_token_ids"),
+    ("min_tokens over max_tokens", generate_request(PROMPT, max_tokens=2, min_tokens=5), "min_tokens"),
+    ("images", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                  mm_inputs=pb.MultimodalInputs(im_token_id=3)), "text only"),
+    ("rank that does not exist", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                                    data_parallel_rank=3), "rank 3 is not served here"),
+]
+
+
+@pytest.mark.parametrize("what,request_message,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(stub, what, request_message, message):
+    error = error_of(lambda: stub.Generate(request_message))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, error)
+    assert message in error.details(), (what, error.details())
+    (ok,) = stub.Generate(generate_request(PROMPT, max_tokens=2))
+    assert len(ok.complete.output_ids) == 2
+
+
+# Raw bytes: not a protobuf message at all; a field GenerateRequest does not have (number 125); a constraint
+# type SamplingParams does not have (number 29, in `sampling_params`, field 4).
+@pytest.mark.parametrize("raw,message", [
+    (b"\xff\xff\xff", "malformed request message"),
+    (bytes(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT)).SerializeToString()) + b"\xe8\x07\x01",
+     "field number(s) 125"),
+    (b"\x22\x03\xe8\x01\x01" + bytes(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT))
+                                     .SerializeToString()), "sampling_params holds field number(s) 29"),
+], ids=["not protobuf", "unknown field", "unknown constraint type"])
+def test_malformed_and_unknown_messages_are_invalid_argument(group, stub, raw, message):
+    channel = group.channel()
+    generate = channel.unary_stream(f"/{SERVICE}/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=pb.GenerateResponse.FromString)
+    error = error_of(lambda: generate(raw))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details(), error
+    (ok,) = stub.Generate(generate_request(PROMPT, max_tokens=1))
+    assert ok.complete.finish_reason == "length"
+
+
+def test_a_request_the_engine_fails_ends_internal_and_the_engine_carries_on(stub):
+    """The simulated engine fails a request whose id holds `sim-request-error` (an error output, FinishReason
+    ERROR): the call ends INTERNAL with the engine's reason, in both answer shapes."""
+    for stream in (False, True):
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, f"sim-request-error-{stream}", stream=stream,
+                                                                max_tokens=3)))
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "The engine failed this request: simulated request failure" in error.details()
+    (ok,) = stub.Generate(generate_request(PROMPT, max_tokens=2))
+    assert ok.complete.finish_reason == "length"
+
+
+def test_a_cancelled_call_is_aborted_in_the_engine(group):
+    stub = group.stub()
+    wait_engine_idle(stub)
+    call = stub.Generate(generate_request(PROMPT, "cancel-me", stream=True, max_tokens=5000, ignore_eos=True))
+    assert next(call).chunk.token_ids and next(call).chunk.token_ids
+    assert engine_running(stub) == 1
+    call.cancel()
+    wait_engine_idle(stub, timeout=2.0)
+
+
+def test_abort_ends_the_named_call_with_finish_reason_abort(group):
+    stub = group.stub()  # one channel: the Abort reaches the API server that runs the call
+    call = stub.Generate(generate_request(PROMPT, "abort-me", stream=True, max_tokens=5000, ignore_eos=True))
+    assert next(call).HasField("chunk")
+    stub.Abort(pb.AbortRequest(request_ids=["abort-me", "no-such-request"]))
+    rest = list(call)
+    assert rest[-1].complete.finish_reason == "abort" and call.code() == grpc.StatusCode.OK
+    wait_engine_idle(stub, timeout=2.0)
+
+
+def test_request_id_priority_and_rank_metadata(group, stub):
+    responses = stub.Generate(generate_request(PROMPT, max_tokens=1), metadata=(("x-request-id", "from-metadata"),
+                                                                                   ("x-priority", "-3"),
+                                                                                   ("x-data-parallel-rank", "0")))
+    assert list(responses)[-1].complete.finish_reason == "length"
+    assert dict(responses.trailing_metadata())["x-request-id"] == "from-metadata"
+    unnamed = stub.Generate(generate_request(PROMPT, max_tokens=1))
+    list(unnamed)
+    assert len(dict(unnamed.trailing_metadata())["x-request-id"]) == 32
+    named = stub.Generate(generate_request(PROMPT, "my-own-id", max_tokens=1))
+    list(named)
+    assert "x-request-id" not in dict(named.trailing_metadata())
+    for metadata, message in ((("x-priority", "high"),), "x-priority"), ((("x-data-parallel-rank", "1"),), "rank 1 is not served"):
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=1), metadata=metadata))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
+
+
+def test_model_server_and_load_information(group, stub):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.served_model_name, info.is_generation, info.vocab_size, info.max_context_length) == (
+        "sim:10", True, 49152, 8192)
+    assert info.architectures == ["LlamaForCausalLM"] and list(info.eos_token_ids) == [2]
+    assert json.loads(info.default_sampling_params_json or "{}").keys() <= {"temperature", "top_p", "top_k", "min_p",
+                                                                    "repetition_penalty"}
+    server = stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert server.server_type == "vllm-grpc" and server.data_parallel_size == 1 and server.uptime_seconds > 0
+    loads = stub.GetLoads(pb.GetLoadsRequest(include=["core"]))
+    assert loads.dp_rank_count == 1 and [load.dp_rank for load in loads.loads] == [0]
+    error = error_of(lambda: stub.GetLoads(pb.GetLoadsRequest(dp_rank=2)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.FlushCache(common_pb2.FlushCacheRequest()).success
+    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+
+
+def test_unimplemented_methods_say_so(stub):
+    for call in (lambda: stub.Embed(pb.EmbedRequest()),
+                 lambda: stub.StartProfile(common_pb2.StartProfileRequest()),
+                 lambda: stub.StopProfile(common_pb2.StopProfileRequest()),
+                 lambda: stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())):
+        error = error_of(call)
+        assert error.code() == grpc.StatusCode.UNIMPLEMENTED and error.details(), error
+
+
+def test_standard_health_service_and_reflection(group):
+    assert health_status(group.target) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(group.target, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(group.target, "no.such.Service") is None  # NOT_FOUND
+    services = ProtoReflectionDescriptorDatabase(group.channel()).get_services()
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
+
+
+def test_metrics_port_counts_calls_of_the_whole_group(group, stub):
+    def counters() -> dict[str, float]:
+        text = httpx.get(group.metrics_url, timeout=5).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = counters()
+    for _ in range(4):  # new channels: the calls spread over both API servers
+        list(group.stub().Generate(generate_request(PROMPT, max_tokens=3)))
+    error_of(lambda: stub.Generate(generate_request([], max_tokens=3)))
+    after = counters()
+    ok = 'supervise_grpc_requests_total{model_name="sim:10",code="OK"}'
+    invalid = 'supervise_grpc_requests_total{model_name="sim:10",code="INVALID_ARGUMENT"}'
+    tokens = 'supervise_generation_tokens_total{model_name="sim:10"}'
+    assert after[ok] - before[ok] >= 4 and after[invalid] - before[invalid] == 1
+    assert after[tokens] - before[tokens] == 12
+    assert after["supervise_api_servers"] == 2
+    assert httpx.get(group.metrics_url.replace("/metrics", "/other"), timeout=5).status_code == 404
+
+
+def test_api_servers_load_neither_torch_nor_a_tokenizer(group):
+    """What a process has mapped: torch's and the tokenizers' native libraries show there once imported (the
+    simulated engine's process maps the tokenizer, so the check can see one)."""
+    def mapped(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    engine = next(c for c in group.children() if "EngineCore_DP0" in title_of(c))
+    assert "tokenizers" in mapped(engine.pid)
+    for pid in group.api_server_pids():
+        maps = mapped(pid)
+        assert "grpc" in maps
+        assert "torch" not in maps and "tokenizers" not in maps and "sentencepiece" not in maps
