@@ -129,9 +129,10 @@ class EngineIO(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._outbox_bell.fileno(), zmq.POLLIN)
+        outbox, bell = self._outbox, self._outbox_bell.fileno()
         while True:
-            events = dict(poller.poll())
-            if self._outbox_bell.fileno() in events:
+            events = dict(poller.poll(0 if not outbox.empty() else None))  # items left by a bounded _send_posted
+            if bell in events:
                 self._outbox_bell.clear()
             if self._send_posted():
                 return
@@ -139,9 +140,10 @@ class EngineIO(threading.Thread):
                 self._receive()
 
     def _send_posted(self) -> bool:
-        """Send everything posted; True once the step thread asked to stop."""
+        """Send what was posted before this call (then receiving gets its turn); True once the step thread asked
+        to stop."""
         outbox, send = self._outbox, self.router.send_multipart
-        while not outbox.empty():
+        for _ in range(outbox.qsize()):  # what is there now, not more: a fast step thread must not starve receiving
             item = outbox.get()
             if isinstance(item, _Stop):
                 self._close(item.dead_reason)
