@@ -11,7 +11,8 @@ sentence (with multi-byte characters, so detokenizers are exercised) that the em
 decodes; after each full sentence comes EOS (the sentence's first token instead while a request ignores EOS or
 still needs min_tokens). logprobs and prompt_logprobs are made up; a structured-output grammar is ignored (no
 compiler, no mask: EngineBase's defaults). A step first waits for its tick (a fixed pace,
-without drift): messages that come meanwhile wait in ZMQ's queue, as during a real forward pass. The prompt costs
+without drift): messages that come meanwhile wait for the next step (the serve loop's I/O thread takes them and
+answers pings meanwhile), as during a real forward pass. The prompt costs
 nothing: the first token comes one step after a request reaches an idle engine. No KV cache; like the real
 engine, it runs at most --max-num-seqs sequences in a step and later requests wait their turn in arrival order
 (reported as waiting), so an engine has a capacity, and data parallelism has something to scale (bench/dp.py).
