@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.supervise-setup
-# The gateway that tests/test_grpc_gateway.py puts in front of `supervise --grpc`: a test partner, never a
-# dependency of ours, so it gets a venv of its own.
+# The gateways that tests put in front of supervise (smg, vllm-router): test partners, never dependencies of
+# ours, so they get a venv of their own.
 GATEWAY_VENV := .venv-gateway
 GATEWAY_STAMP := $(GATEWAY_VENV)/.supervise-setup
 HOST ?= 127.0.0.1
@@ -25,11 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m enginecore.model_source
 	touch $(STAMP)
 
-# smg's Python launcher imports these beside its wheel, which does not pull them in.
+# Their Python launchers import these beside their wheels.
 $(GATEWAY_STAMP):
 	test -x $(GATEWAY_VENV)/bin/python || $(PYTHON) -m venv $(GATEWAY_VENV)
 	$(GATEWAY_VENV)/bin/python -m pip install -q --upgrade pip
 	$(GATEWAY_VENV)/bin/python -m pip install -q smg==1.13.0 setproctitle grpcio grpcio-health-checking pyyaml
+	$(GATEWAY_VENV)/bin/python -m pip install -q vllm-router==0.1.17 aiohttp fastapi requests uvicorn orjson
 	touch $(GATEWAY_STAMP)
 
 gateway: $(GATEWAY_STAMP)

@@ -30,15 +30,23 @@ class ServerContext:
     openapi_routes: list = field(default_factory=list)  # (path, method, summary), for /openapi.json
     server_load: int = 0  # generation requests in flight here, counted with --enable-server-load-tracking
     created: int = field(default_factory=lambda: int(time.time()))
+    _ranks_version: int = 0  # of the supervisor's rank marks, last taken
 
     def __post_init__(self):
         if not self.model_name:
             self.model_name = self.config.model_name
 
     def engine_dead_reason(self) -> str | None:
-        """Why the engine cannot serve, if it cannot: it said ENGINE_DEAD, or the supervisor saw it die."""
-        if self.engine.dead_reason is None and self.group is not None:
-            rank = self.group.dead_engine()
-            if rank is not None:
-                self.engine.mark_dead(f"engine core DP{rank} died")
+        """Why no engine can serve, if none can: each said ENGINE_DEAD, or the supervisor marked it down."""
+        self.sync_down_ranks()
         return self.engine.dead_reason
+
+    def sync_down_ranks(self) -> None:
+        """Take the ranks the supervisor marked down in shared memory (one read while nothing changed)."""
+        if self.group is None:
+            return
+        version = self.group.ranks_version()
+        if version != self._ranks_version:
+            self._ranks_version = version
+            for rank, why in self.group.down_ranks().items():
+                self.engine.mark_rank_down(rank, why)

@@ -11,8 +11,10 @@ since the FD will not signal again for them.
 
 Each request gets a RequestStream (a list plus a future, lighter than an asyncio.Queue) that the reader
 fills with the request's RequestOutputs as they arrive, one batch per engine step. A request goes to the least
-loaded engine, counted as this server's requests in flight there plus what the engine last reported waiting.
-ENGINE_DEAD (or the supervisor marking an engine dead in shared memory) fails every waiting request at once.
+loaded engine (apiserver/engine_loads.py states the rule), or to the data-parallel rank its caller names.
+An engine that is down (ENGINE_DEAD, the supervisor's mark in shared memory, missed pings) fails the requests
+it runs at once and gets no more; the others serve on. Down is final for this server: a rank that comes back
+(a headless node that registered again) is reached by the API servers the supervisor starts after it.
 """
 from __future__ import annotations
 
@@ -23,9 +25,13 @@ import time
 
 import zmq
 
+from apiserver.engine_loads import EngineLoads, GroupInFlight
 from ipc import codec
+from ipc.curve import CurveKeys
+from ipc.launch import ApiServerLaunch
 from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
 from ipc.sampling import SamplingParams
+from ipc.shared_state import GroupState
 from ipc.sockets import api_server_identity, connect_dealer
 
 log = logging.getLogger(__name__)
@@ -37,7 +43,11 @@ DRAIN_SLICE_SECONDS = 0.005
 
 
 class EngineDeadError(Exception):
-    """The engine core serving a request is gone."""
+    """The engine core serving a request is gone (or every one is)."""
+
+
+class UnknownRank(ValueError):
+    """A request pinned to a data-parallel rank this group does not serve."""
 
 
 class EngineRequestError(Exception):
@@ -97,29 +107,42 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, addresses: list[str], index: int, on_in_flight=None):
+    def __init__(self, addresses: list[str], index: int, on_in_flight=None, ranks: list[int] | None = None,
+                 curve: CurveKeys | None = None, group: GroupInFlight | None = None):
+        """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones;
+        `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py)."""
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
-        self._sockets = [connect_dealer(self._ctx, address, identity) for address in addresses]
+        self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
+        self.addresses = list(addresses)
+        self.ranks = list(ranks) if ranks else list(range(len(addresses)))
+        self._position = {rank: i for i, rank in enumerate(self.ranks)}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = [False] * len(addresses)
         self._streams: dict[str, RequestStream] = {}
-        self._in_flight = [0] * len(addresses)  # this server's requests at each engine
-        self._waiting = [0] * len(addresses)  # what each engine last reported waiting
-        self._calls: dict[int, asyncio.Future] = {}
+        self.loads = EngineLoads(self.ranks, group)
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (engine, its answer)
         self._call_ids = itertools.count(1)
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
-        self.dead_reason: str | None = None
-        self._unanswered: dict[int, str] = {}  # engine rank -> why it counts as not answering (missed pings)
+        self.down: dict[int, str] = {}  # engine (position) -> why it is down, for good
+        self._unanswered: dict[int, str] = {}  # engine -> why it counts as not answering (missed pings)
+
+    @classmethod
+    def for_launch(cls, launch: ApiServerLaunch, group: GroupState) -> "EngineClient":
+        """The engine client of the API server `launch` starts (HTTP or gRPC alike): every rank of the group, its
+        in-flight count published in the server's shared-memory slot."""
+        index = launch.index
+        return cls(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
+                   ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index))
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
-        """Start reading, then ping every engine: returns once all answered, raises TimeoutError if not."""
+        """Start reading, then ping every engine not down: returns once all answered, raises TimeoutError if not."""
         self._loop = asyncio.get_running_loop()
         for engine, sock in enumerate(self._sockets):
             self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, engine)
         await asyncio.wait_for(
-            asyncio.gather(*(self.call_utility(i, "ping") for i in range(len(self._sockets)))), ping_timeout
+            asyncio.gather(*(self.call_utility(i, "ping") for i in self.usable())), ping_timeout
         )
 
     async def close(self) -> None:
@@ -139,19 +162,33 @@ class EngineClient:
         """Engine requests of this server in flight (one per prompt of each API request)."""
         return len(self._streams)
 
+    def usable(self) -> list[int]:
+        """The engines (positions) that are not down."""
+        return [i for i in range(len(self._sockets)) if i not in self.down]
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this server cannot serve at all (every engine is down), else None."""
+        if len(self.down) < len(self._sockets):
+            return None
+        return "; ".join(self.down[i] for i in sorted(self.down))
+
     # Requests.
-    def generate(self, requests: list[tuple[str, list[int]]], sampling: SamplingParams, priority: int = 0) -> RequestStream:
-        """Send each (engine request id, prompt token ids) to the least loaded engine; the caller reads the
-        returned stream and must call `release` when done with it."""
-        if self.dead_reason is not None:
+    def generate(self, requests: list[tuple[str, list[int]]], sampling: SamplingParams, priority: int = 0,
+                 rank: int | None = None) -> RequestStream:
+        """Send each (engine request id, prompt token ids) to the least loaded engine, or to data-parallel `rank`
+        (UnknownRank if this group has none such, EngineDeadError if it is down); the caller reads the returned
+        stream and must call `release` when done with it."""
+        pinned = self.engine_of_rank(rank) if rank is not None else None
+        if pinned is None and self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
         engines = {}
         for request_id, _ in requests:
-            engine = engines[request_id] = self._least_loaded()
-            self._in_flight[engine] += 1
+            engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()
+            self.loads.sent(engine)
         stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop())
         for request_id, prompt_token_ids in requests:
             self._streams[request_id] = stream
@@ -159,50 +196,71 @@ class EngineClient:
         self._in_flight_changed()
         return stream
 
+    def ranks_of(self, stream: RequestStream) -> list[int]:
+        """The data-parallel rank each engine request of `stream` went to."""
+        return [self.ranks[engine] for engine in stream.engines.values()]
+
+    def engine_of_rank(self, rank: int) -> int:
+        """The position of data-parallel `rank`, which must be up: UnknownRank / EngineDeadError otherwise."""
+        engine = self._position.get(rank)
+        if engine is None:
+            served = ", ".join(map(str, self.ranks))
+            raise UnknownRank(f"data-parallel rank {rank} is not served here (ranks: {served})")
+        if engine in self.down:
+            raise EngineDeadError(f"data-parallel rank {rank} is down: {self.down[engine]}")
+        return engine
+
     def release(self, stream: RequestStream) -> None:
         """The consumer is done with `stream`: forget it, and abort in the engine what did not finish there."""
         aborts: dict[int, list[str]] = {}
         for request_id, engine in stream.engines.items():
             if self._streams.pop(request_id, None) is None:
                 continue
-            self._in_flight[engine] -= 1
+            self.loads.done(engine)
             if stream.unfinished[request_id] > 0:
                 aborts.setdefault(engine, []).append(request_id)
-        if self.dead_reason is None:
-            for engine, request_ids in aborts.items():
+        for engine, request_ids in aborts.items():
+            if engine not in self.down:
                 self._send(engine, AbortRequests(request_ids))
         self._in_flight_changed()
 
     def abort(self, stream: RequestStream, request_id: str, indices: list[int] | None = None) -> None:
         """Stop `request_id` of `stream` in its engine now (only its choices `indices`, when given), while
         the stream stays open for what is on its way; `release` still ends it."""
-        if self.dead_reason is None and request_id in self._streams:
-            self._send(stream.engines[request_id], AbortRequests([request_id], indices))
+        engine = stream.engines.get(request_id)
+        if request_id in self._streams and engine not in self.down:
+            self._send(engine, AbortRequests([request_id], indices))
 
     async def call_utility(self, engine: int, method: str, *args, timeout: float | None = None):
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        if engine in self.down:
+            raise EngineDeadError(self.down[engine])
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
+        self._calls[call_id] = (engine, future)
         try:
             self._send(engine, UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)
 
-    def mark_dead(self, reason: str) -> None:
-        """Every waiting request fails now, and every later one at once."""
-        if self.dead_reason is not None:
+    def mark_down(self, engine: int, reason: str) -> None:
+        """Engine `engine` is gone: its requests and calls fail now, and it gets no more."""
+        if engine in self.down:
             return
-        self.dead_reason = reason
-        log.error("engine core is dead: %s", reason)
+        self.down[engine] = reason
+        log.error("down: %s", reason)
         error = EngineDeadError(reason)
-        for stream in self._streams.values():
-            stream.fail(error)
-        for future in self._calls.values():
-            if not future.done():
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            if engine in stream.engines.values():
+                stream.fail(error)
+        for owner, future in self._calls.values():
+            if owner == engine and not future.done():
                 future.set_exception(error)
+
+    def mark_rank_down(self, rank: int, reason: str) -> None:
+        engine = self._position.get(rank)
+        if engine is not None:
+            self.mark_down(engine, f"engine core DP{rank}: {reason}")
 
     def set_unanswered(self, engine: int, reason: str | None) -> None:
         """engine_watch's verdict on `engine`: why it is not answering pings now, or None once it does."""
@@ -213,15 +271,36 @@ class EngineClient:
 
     @property
     def unanswered_reason(self) -> str | None:
-        """Why an engine is not answering pings now (it may still be alive: /health says 503 meanwhile)."""
-        return next(iter(self._unanswered.values()), None)
+        """Why no engine answers pings now (they may still be alive: /health says 503 meanwhile)."""
+        usable = self.usable()
+        if usable and all(e in self._unanswered for e in usable):
+            return self._unanswered[usable[0]]
+        return None
+
+    def answering(self, engine: int) -> bool:
+        return engine not in self.down and engine not in self._unanswered
+
+    def rank_views(self) -> list[dict]:
+        """Every rank as this server sees it: up, answering pings, its last reported load, this server's
+        requests there (for /load, /server_info and /metrics)."""
+        loads = self.loads
+        group = loads.group_in_flight()
+        return [
+            {
+                "rank": rank, "address": self.addresses[i], "up": i not in self.down, "down_reason": self.down.get(i),
+                "answering": self.answering(i), "num_running": loads.running[i], "num_waiting": loads.waiting[i],
+                "kv_cache_usage": loads.kv_cache_usage[i], "in_flight_here": loads.in_flight[i],
+                "in_flight": group[i] if group is not None else loads.in_flight[i],
+            }
+            for i, rank in enumerate(self.ranks)
+        ]
 
     # Internals.
     def _least_loaded(self) -> int:
         if len(self._sockets) == 1:
             return 0
-        loads = [self._in_flight[i] + self._waiting[i] for i in range(len(self._sockets))]
-        return loads.index(min(loads))
+        usable = self.usable()
+        return self.loads.least_loaded(usable, {e for e in usable if e not in self._unanswered})
 
     def _send(self, engine: int, record) -> None:
         # SNDHWM is 0 (no limit): the send never has to wait.
@@ -266,18 +345,18 @@ class EngineClient:
 
     def _handle(self, engine: int, record) -> None:
         if isinstance(record, EngineOutputs):
-            self._waiting[engine] = record.num_waiting
+            self.loads.report(engine, record.num_running, record.num_waiting, record.kv_cache_usage)
             streams = self._streams
             for output in record.outputs:
                 stream = streams.get(output.request_id)
                 if stream is not None:  # else: released (aborted) while this step ran
                     stream.put(output)
         elif isinstance(record, UtilityResult):
-            future = self._calls.get(record.call_id)
-            if future is not None and not future.done():
+            call = self._calls.get(record.call_id)
+            if call is not None and not call[1].done():
                 if record.error is not None:
-                    future.set_exception(RuntimeError(record.error))
+                    call[1].set_exception(RuntimeError(record.error))
                 else:
-                    future.set_result(record.result)
+                    call[1].set_result(record.result)
         elif isinstance(record, EngineDead):
-            self.mark_dead(f"engine core DP{engine}: {record.reason}")
+            self.mark_down(engine, f"engine core DP{self.ranks[engine]}: {record.reason}")

@@ -1,9 +1,9 @@
 """Each API server pings its engines at a steady pace: /health says 503 from the first missed ping until one
 is answered again, and the server stops itself when an engine is gone for good.
 
-The supervisor notices a local engine's death first (its sentinel) and marks it in shared memory; the pings
-are for what the supervisor cannot see: an engine on another node, or one that stopped answering without
-exiting (SIGSTOP, a wedged step). A ping is missed when it is not answered within the interval
+The supervisor notices a local engine's death first (its sentinel), and a remote rank's loss (its node's
+supervisor says so, or falls silent: supervisor/registration.py), and marks it in shared memory; the pings are
+for what the supervisor cannot see: an engine that stopped answering without exiting (SIGSTOP, a wedged step). A ping is missed when it is not answered within the interval
 (--engine-ping-interval). One miss already turns /health to 503, so a load balancer stops sending here
 while requests would hang; the server exits only after MISSED_PINGS_FOR_GONE misses in a row, since a single
 slow answer (a long prefill step) is not a death.
@@ -21,34 +21,44 @@ log = logging.getLogger(__name__)
 MISSED_PINGS_FOR_GONE = 3
 
 
-async def watch_engines(engine: EngineClient, interval: float, on_gone) -> None:
-    """Pings every engine each `interval` seconds; calls on_gone(reason) once one missed
-    MISSED_PINGS_FOR_GONE pings in a row, then returns."""
+async def watch_engines(engine: EngineClient, interval: float, on_gone, sync=None) -> None:
+    """Probes every engine not down each `interval` seconds (UTILITY stats: the answer also refreshes the
+    engine's load for balancing); calls on_gone(reason) once one missed MISSED_PINGS_FOR_GONE probes in a row,
+    then returns. Returns too once every engine is down (the supervisor acts on that). `sync()`, before each
+    round, takes the ranks the supervisor marked down: a rank whose node is gone is not missed, it is down."""
     missed = [0] * engine.num_engines
     last_answer = [time.monotonic()] * engine.num_engines
     while True:
+        if sync is not None:
+            sync()
+        if not engine.usable():
+            return
         started = time.monotonic()
+        probed = engine.usable()
         answers = await asyncio.gather(
-            *(engine.call_utility(rank, "ping", timeout=interval) for rank in range(engine.num_engines)),
-            return_exceptions=True,
+            *(engine.call_utility(i, "stats", timeout=interval) for i in probed), return_exceptions=True,
         )
-        for rank, answer in enumerate(answers):
+        for i, answer in zip(probed, answers):
+            rank = engine.ranks[i]
             if isinstance(answer, EngineDeadError):
-                return  # already known dead (ENGINE_DEAD or the supervisor's mark): the supervisor acts
+                continue  # down meanwhile (ENGINE_DEAD or the supervisor's mark): the supervisor acts
             if not isinstance(answer, asyncio.TimeoutError):
-                if missed[rank]:
+                if missed[i]:
                     log.info("engine core DP%d answers pings again", rank)
-                missed[rank] = 0
-                last_answer[rank] = time.monotonic()
-                engine.set_unanswered(rank, None)
+                missed[i] = 0
+                last_answer[i] = time.monotonic()
+                engine.set_unanswered(i, None)
+                if isinstance(answer, dict):
+                    engine.loads.report(i, answer.get("num_running", 0), answer.get("num_waiting", 0),
+                                        answer.get("kv_cache_usage", 0.0))
                 continue
-            missed[rank] += 1
-            silent = time.monotonic() - last_answer[rank]
+            missed[i] += 1
+            silent = time.monotonic() - last_answer[i]
             reason = f"engine core DP{rank} has not answered a ping for {silent:.1f} s"
-            log.warning("engine core DP%d missed %d ping(s) in a row", rank, missed[rank])
-            engine.set_unanswered(rank, reason)
-            if missed[rank] >= MISSED_PINGS_FOR_GONE:
-                engine.mark_dead(reason)
+            log.warning("engine core DP%d missed %d ping(s) in a row", rank, missed[i])
+            engine.set_unanswered(i, reason)
+            if missed[i] >= MISSED_PINGS_FOR_GONE:
+                engine.mark_down(i, reason)
                 on_gone(reason)
                 return
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from apiserver.engine_client import EngineDeadError, EngineRequestError
+from apiserver.engine_client import EngineDeadError, EngineRequestError, UnknownRank
 
 # nginx's status for a client that closed the connection before it was answered: nobody reads the answer,
 # but /metrics counts it as the client's doing (4xx), not the server's.
@@ -89,6 +89,8 @@ _TABLE = {
     HTTPException: _http_error,
     EngineDeadError: lambda exc: ApiError(
         f"The engine is not available: {exc}", status=503, type="service_unavailable_error"),
+    UnknownRank: lambda exc: ApiError(
+        f"{exc}.", param="x-data-parallel-rank", code="unknown_data_parallel_rank"),
     EngineRequestError: lambda exc: ApiError(
         f"The engine failed this request: {exc}", status=500, type="internal_server_error"),
     ClientDisconnect: lambda exc: ApiError(

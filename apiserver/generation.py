@@ -77,8 +77,11 @@ class Generation:
         skip_special_tokens: bool,
         include_stop_str_in_output: bool,
         tokenizer,
+        rank: int | None = None,
     ):
+        """`rank`: the data-parallel rank to run on (X-data-parallel-rank); None: the least loaded."""
         self._engine = engine
+        self._rank = rank
         self.prompts = prompts
         self.sampling = sampling
         self.num_prompt_tokens = sum(len(p) for p in prompts)
@@ -105,7 +108,14 @@ class Generation:
         self.first_output_at: float | None = None
 
     def start(self) -> None:
-        self._stream = self._engine.generate(list(zip(self._engine_ids, self.prompts)), self.sampling, self._priority)
+        self._stream = self._engine.generate(
+            list(zip(self._engine_ids, self.prompts)), self.sampling, self._priority, self._rank
+        )
+
+    @property
+    def ranks(self) -> list[int]:
+        """The data-parallel rank of each engine request, once started."""
+        return self._engine.ranks_of(self._stream)
 
     @property
     def done(self) -> bool:

@@ -64,6 +64,7 @@ class GenerationRun:
             ctx.admission.release(tokens)
             raise
         self._admitted = True
+        ctx.metrics.count_routed(generation.ranks)
         if ctx.config.enable_server_load_tracking:
             ctx.server_load += 1
         self._watcher = watch_disconnect(self._receive, generation.abort)

@@ -52,8 +52,12 @@ class InfoRoutes:
 
     async def health(self, request: Request) -> Response:
         # 503 from the first missed engine ping, not only once the engine is dead: a frozen engine would
-        # otherwise keep a load balancer sending requests that hang.
-        reason = self.ctx.engine_dead_reason() or self.ctx.engine.unanswered_reason
+        # otherwise keep a load balancer sending requests that hang. With several ranks: 503 once none serves,
+        # or once any is down while the group is about to go down for it (--on-engine-failure exit).
+        ctx = self.ctx
+        reason = ctx.engine_dead_reason() or ctx.engine.unanswered_reason
+        if reason is None and ctx.config.on_engine_failure == "exit" and ctx.engine.down:
+            reason = next(iter(ctx.engine.down.values()))
         if reason is not None:
             return error_response(as_api_error(EngineDeadError(reason)))
         return Response(status_code=200)
@@ -62,10 +66,13 @@ class InfoRoutes:
         return json_response({"version": package_version()})
 
     async def load(self, request: Request) -> Response:
-        return json_response({"server_load": self.ctx.server_load})
+        """vLLM's `server_load`, and every data-parallel rank as this API server sees it."""
+        self.ctx.sync_down_ranks()
+        return json_response({"server_load": self.ctx.server_load, "engines": self.ctx.engine.rank_views()})
 
     async def metrics(self, request: Request) -> Response:
-        text = self.ctx.metrics.exposition(self.ctx.group, self.ctx.model_name)
+        self.ctx.sync_down_ranks()
+        text = self.ctx.metrics.exposition(self.ctx.group, self.ctx.model_name, self.ctx.engine.rank_views())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
@@ -84,12 +91,17 @@ class DevRoutes:
     async def server_info(self, request: Request) -> Response:
         ctx = self.ctx
         engine = ctx.engine
+        ctx.sync_down_ranks()
         stats = await asyncio.gather(
             *(engine.call_utility(i, "stats", timeout=UTILITY_TIMEOUT) for i in range(engine.num_engines)),
             return_exceptions=True,
         )
         config = dataclasses.asdict(ctx.config)
         config["api_key"] = "<set>" if config.get("api_key") else None
+        engines = []
+        for view, stat in zip(engine.rank_views(), stats):
+            # The engine's own answer wins over this server's view of it; a rank that is down says why.
+            engines.append({**view, **(stat if isinstance(stat, dict) else {"error": str(stat) or type(stat).__name__})})
         return json_response({
             "api_server": {
                 "index": ctx.index, "pid": os.getpid(), "in_flight": engine.num_in_flight,
@@ -98,12 +110,12 @@ class DevRoutes:
             },
             "config": config,
             "model": dataclasses.asdict(ctx.model),
-            "engines": [s if not isinstance(s, BaseException) else {"error": str(s)} for s in stats],
+            "engines": engines,
         })
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         engine = self.ctx.engine
         await asyncio.gather(
-            *(engine.call_utility(i, "reset_prefix_cache", timeout=UTILITY_TIMEOUT) for i in range(engine.num_engines))
+            *(engine.call_utility(i, "reset_prefix_cache", timeout=UTILITY_TIMEOUT) for i in engine.usable())
         )
         return Response(status_code=200)

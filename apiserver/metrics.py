@@ -13,7 +13,7 @@ import glob
 import mmap
 import os
 
-from ipc.shared_state import MAX_SLOTS, GroupState
+from ipc.shared_state import MAX_RANKS, MAX_SLOTS, GroupState
 
 PREFIX = "supervise_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -30,8 +30,18 @@ _COUNTERS = {
     "prompt_tokens_total": ("Prompt tokens of finished requests.", [""]),
     "generation_tokens_total": ("Generated tokens of finished requests.", [""]),
     "requests_rejected_total": ("Requests refused by the admission limits (HTTP 503).", [""]),
+    # Per data-parallel rank: the label is the rank (vLLM's `engine` label); only the group's ranks are shown.
+    "engine_requests_total": ("Engine requests sent to each data-parallel rank, by every API server.",
+                              [f'engine="{r}"' for r in range(MAX_RANKS)]),
     "grpc_requests_total": ("gRPC calls answered by the API servers (--grpc), by status code.",
                             [f'code="{c}"' for c in GRPC_CODES]),
+}
+# Gauges per rank, as the API server answering the scrape sees each engine (EngineClient.rank_views).
+_RANK_GAUGES = {
+    "engine_up": ("1 while the rank serves, 0 once it is down (its engine exited, its node went away).", "up"),
+    "engine_num_requests_running": ("Requests running in the rank's engine, as it last reported.", "num_running"),
+    "engine_num_requests_waiting": ("Requests waiting in the rank's engine, as it last reported.", "num_waiting"),
+    "engine_kv_cache_usage_perc": ("The rank's KV cache usage (0-1), as it last reported.", "kv_cache_usage"),
 }
 _HISTOGRAMS = {
     "e2e_request_latency_seconds": "Seconds from a request's arrival to its last token.",
@@ -90,6 +100,10 @@ class Metrics:
     def count_rejected(self) -> None:
         self._values[_SLOTS[("requests_rejected_total", "")]] += 1
 
+    def count_routed(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self._values[_SLOTS[("engine_requests_total", f'engine="{rank}"')]] += 1
+
     def finished(self, finish_reasons: list[str | None], prompt_tokens: int, generated: int,
                  latency: float, first_token: float | None) -> None:
         values = self._values
@@ -128,14 +142,17 @@ class Metrics:
                     totals[i] += value
         return totals
 
-    def exposition(self, group: GroupState | None, model_name: str) -> str:
-        """The Prometheus text format for the whole group."""
+    def exposition(self, group: GroupState | None, model_name: str, ranks: list[dict] = ()) -> str:
+        """The Prometheus text format for the whole group; `ranks`: EngineClient.rank_views()."""
         totals = self._group_totals()
         model = f'model_name="{_escape(model_name)}"'
+        served = {f'engine="{view["rank"]}"' for view in ranks}
         lines = []
         for name, (help_text, labels) in _COUNTERS.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter"]
             for label in labels:
+                if label.startswith("engine=") and label not in served:
+                    continue
                 all_labels = f"{model},{label}" if label else model
                 lines.append(f"{PREFIX}{name}{{{all_labels}}} {_number(totals[_SLOTS[(name, label)]])}")
         for name, help_text in _HISTOGRAMS.items():
@@ -145,6 +162,10 @@ class Metrics:
                 lines.append(f"{PREFIX}{name}_bucket{{{model},{label}}} {_number(totals[_SLOTS[(name, label)]])}")
             lines.append(f"{PREFIX}{name}_sum{{{model}}} {totals[_SLOTS[(name, 'sum')]]!r}")
             lines.append(f"{PREFIX}{name}_count{{{model}}} {_number(totals[_SLOTS[(name, 'count')]])}")
+        for name, (help_text, key) in _RANK_GAUGES.items():
+            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge"]
+            for view in ranks:
+                lines.append(f'{PREFIX}{name}{{{model},engine="{view["rank"]}"}} {_number(float(view[key]))}')
         if group is not None:
             live = [slot for slot in range(MAX_SLOTS) if group.pid(slot)]
             lines += [

@@ -6,7 +6,8 @@ CONTRACT (the supervisor relies on exactly this):
 - set the process title `supervise: ApiServer_<index>`, ipc.logs.setup_logging(f"ApiServer_{index}", ...),
   ipc.lifeline.die_with_parent(lifeline); attach ipc.shared_state.GroupState(shared_state_name), claim(index);
 - load the tokenizer from model.model_dir without importing torch or transformers;
-- connect a DEALER (identity api-<index>) to every engine address and ping each (UTILITY "ping");
+- connect a DEALER (identity api-<index>) to every engine address (CURVE with launch.curve on TCP) and ping
+  each that the supervisor has not marked down (UTILITY "ping");
 - send True over `ready` once it can serve, then accept on the already-listening `listen_socket`;
 - event loop beats GroupState.beat(index) every second;
 - SIGTERM/SIGINT: stop accepting, let in-flight requests finish up to config.shutdown_timeout, exit code 0.
@@ -29,18 +30,16 @@ ENGINE_GONE_EXIT_CODE = 3  # the engine stopped answering: the supervisor logs t
 
 
 def run_api_server(launch: ApiServerLaunch) -> None:
-    config, index, listen_socket, model = launch.config, launch.index, launch.listen_socket, launch.model
-    engine_addresses, shared_state_name = list(launch.engine_addresses), launch.shared_state_name
-    lifeline, ready = launch.lifeline, launch.ready
+    config, index, model = launch.config, launch.index, launch.model
     from setproctitle import setproctitle
 
     setproctitle(f"supervise: ApiServer_{index}")
     setup_logging(f"ApiServer_{index}", config.log_level)
-    die_with_parent(lifeline)
+    die_with_parent(launch.lifeline)
     from apiserver.server import StopSignals
 
     stop = StopSignals()
-    group = GroupState.attach(shared_state_name)
+    group = GroupState.attach(launch.shared_state_name)
     group.claim(index, os.getpid())
 
     import uvloop
@@ -50,7 +49,7 @@ def run_api_server(launch: ApiServerLaunch) -> None:
     renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template)
     _return_freed_heap()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop))
+        runner.run(_serve(launch, group, renderer, stop))
     group.close()
     log.info("stopped")
 
@@ -66,7 +65,7 @@ def _return_freed_heap() -> None:
         pass
 
 
-async def _serve(config, index, listen_socket, model, engine_addresses, group, ready, renderer, stop) -> None:
+async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     from apiserver.admission import AdmissionControl
     from apiserver.app import build_app
     from apiserver.context import ServerContext
@@ -75,7 +74,10 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, r
     from apiserver.metrics import Metrics
     from apiserver.server import beat_forever, build_http_server
 
-    engine = EngineClient(engine_addresses, index, on_in_flight=lambda n: group.set_in_flight(index, n))
+    config, index, listen_socket, model, ready = (
+        launch.config, launch.index, launch.listen_socket, launch.model, launch.ready
+    )
+    engine = EngineClient.for_launch(launch, group)
     ctx = ServerContext(
         config=config,
         index=index,
@@ -88,6 +90,7 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, r
     )
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")
     try:
+        ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
         await engine.start(ENGINE_PING_TIMEOUT)
         server = build_http_server(build_app(ctx), config, group, index)
         ready.send(True)
@@ -101,7 +104,8 @@ async def _serve(config, index, listen_socket, model, engine_addresses, group, r
             server.should_exit = True
 
         watcher = asyncio.create_task(
-            watch_engines(engine, config.engine_ping_interval, on_engine_gone), name="engine-watch"
+            watch_engines(engine, config.engine_ping_interval, on_engine_gone, ctx.sync_down_ranks),
+            name="engine-watch",
         )
         await server.serve(sockets=[listen_socket])
         watcher.cancel()

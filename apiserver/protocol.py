@@ -156,6 +156,15 @@ class _SamplingFields(_Strict):
     skip_special_tokens: StrictBool = True
     priority: Int64 = 0
     request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    data_parallel_rank: StrictInt | None = Field(None, ge=0, le=INT32_MAX)  # smg's pin (X-data-parallel-rank's)
+
+    # Fields vllm-router adds to every request it forwards (SGLang's names), accepted at the values it sends,
+    # which ask for nothing this server does not do anyway; any other value is refused with the field's name.
+    no_stop_trim: Literal[False] | None = None
+    separate_reasoning: Literal[True] | None = None
+    stream_reasoning: Literal[True] | None = None
+    return_hidden_states: Literal[False] | None = None
+    include_reasoning: Literal[True] | None = None
 
     logit_bias: None = None
     functions: None = None

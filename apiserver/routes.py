@@ -12,6 +12,7 @@ from starlette.routing import Route
 
 from apiserver.context import ServerContext
 from apiserver.errors import InvalidRequest
+from apiserver.gateway_routes import GatewayRoutes
 from apiserver.info_routes import DevRoutes, InfoRoutes
 from apiserver.serving_chat import ChatServing
 from apiserver.serving_completion import CompletionServing
@@ -47,6 +48,7 @@ def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
     completion = CompletionServing(ctx)
     tokenize = TokenizeServing(ctx, chat)
     info = InfoRoutes(ctx)
+    gateway = GatewayRoutes(ctx)
     table = [
         ("/v1/chat/completions", chat.create, ["POST"], "Create a chat completion"),
         ("/v1/completions", completion.create, ["POST"], "Create a completion"),
@@ -57,8 +59,10 @@ def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
         ("/tokenize", tokenize.tokenize, ["POST"], "Token ids of a prompt or of chat messages"),
         ("/detokenize", tokenize.detokenize, ["POST"], "Text of token ids"),
         ("/version", info.version, ["GET"], "The server's version"),
-        ("/load", info.load, ["GET"], "Requests in flight in this API server"),
+        ("/load", info.load, ["GET"], "Requests in flight in this API server, and every rank's load"),
         ("/metrics", info.metrics, ["GET"], "Prometheus metrics of the whole group"),
+        ("/get_server_info", gateway.server_info, ["GET"], "For gateways: the model and the data-parallel ranks"),
+        ("/get_model_info", gateway.model_info, ["GET"], "For gateways: the model's facts"),
     ]
     if ctx.config.enable_tokenizer_info_endpoint:
         table.append(("/tokenizer_info", tokenize.tokenizer_info, ["GET"], "The tokenizer's configuration"))

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from apiserver.context import ServerContext
-from apiserver.engine_client import EngineDeadError, RequestAborted
+from apiserver.engine_client import EngineDeadError, RequestAborted, UnknownRank
 from apiserver.errors import CLIENT_CLOSED_REQUEST, InvalidRequest, ModelNotFound
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun
@@ -20,6 +20,7 @@ from apiserver.streaming import ChunkWriter, EventStreamResponse
 
 REQUEST_ID_SCOPE_KEY = "supervise.request_id"  # set by the request-id middleware when it made or read one
 _PRIORITY_HEADERS = ("x-priority", "x-vllm-priority")
+RANK_HEADER = "x-data-parallel-rank"  # vLLM's: pins a request to one data-parallel rank
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; more than 19 is past 64 bits anyway
 
 
@@ -62,6 +63,26 @@ class GenerationServing:
                     param=name,
                 )
         return body_priority
+
+    def data_parallel_rank(self, request: Request, body_rank: int | None) -> int | None:
+        """The rank a router pinned the request to: vLLM's X-data-parallel-rank header, else the body's
+        `data_parallel_rank` (what smg sends to a DP-aware worker). A rank this group does not serve is a 400,
+        one that is down a 503, both before anything runs."""
+        value = request.headers.get(RANK_HEADER)
+        if value is not None:
+            text = value.strip()
+            if not (text.isascii() and text.isdigit() and len(text) <= 4):
+                raise InvalidRequest(f"The {RANK_HEADER} header must be a rank number, not {value[:40]!r}.",
+                                     param=RANK_HEADER)
+            body_rank = int(text)
+        if body_rank is not None:
+            self.ctx.sync_down_ranks()
+            try:
+                self.ctx.engine.engine_of_rank(body_rank)
+            except UnknownRank as exc:
+                raise InvalidRequest(f"{exc}.", param=RANK_HEADER if value is not None else "data_parallel_rank",
+                                     code="unknown_data_parallel_rank") from None
+        return body_rank
 
     # Running it.
     async def respond(

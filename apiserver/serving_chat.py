@@ -108,6 +108,7 @@ class ChatServing(GenerationServing):
         generation = Generation(
             ctx.engine, request_id, [prompt], sampling, self.priority(request, req.priority), stop_strings(req.stop),
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
+            self.data_parallel_rank(request, req.data_parallel_rank),
         )
         response_id = "chatcmpl-" + request_id
         created = int(time.time())

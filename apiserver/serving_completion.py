@@ -77,6 +77,7 @@ class CompletionServing(GenerationServing):
         generation = Generation(
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
+            self.data_parallel_rank(request, req.data_parallel_rank),
         )
         echoes = [self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id

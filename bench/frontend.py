@@ -167,8 +167,10 @@ def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = Fals
     for sim_ms, names, per_server in ((args.sim_ms, ("requests", "streams"), None),
                                       (args.paced_sim_ms, ("paced",), args.paced_concurrency)):
         model = f"sim:{sim_ms:g}"
+        # --max-num-seqs: the simulated engine runs at most that many sequences per step; here every stream at once.
         server = start_supervise(["--model", model, "--api-server-count", str(count),
-                                  "--data-parallel-size", str(args.engines)], args.server_timeout, grpc=grpc)
+                                  "--data-parallel-size", str(args.engines), "--max-num-seqs", "65536"],
+                                 args.server_timeout, grpc=grpc)
         try:
             group = titled_children(server.pid)
             api = {k: v for k, v in group.items() if k.startswith("ApiServer_")}

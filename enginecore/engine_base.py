@@ -316,11 +316,14 @@ def _choice_output(seq: Sequence, index: int, reason: str, error: str | None = N
                          num_cached_tokens=seq.num_cached_tokens, error=error)
 
 
+MAX_CHOICES_ANSWERED = 1024  # a hostile n must not make the answer huge: the API server fails on the first anyway
+
+
 def finished_at_once(request: EngineRequest, reason: str, error: str | None = None) -> list[RequestOutput]:
     """One finished output, with no token, per choice of a request that runs no step (its fields may be of any
     type here: this also answers a request that failed its check)."""
     n = request.sampling.n
-    num_choices = n if isinstance(n, int) and n > 1 else 1
+    num_choices = n if isinstance(n, int) and 1 < n <= MAX_CHOICES_ANSWERED else 1
     prompt = request.prompt_token_ids
     num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     return [RequestOutput(request.request_id, [], i, reason, num_prompt_tokens=num_prompt_tokens, error=error)

@@ -7,8 +7,9 @@ CONTRACT (the supervisor relies on exactly this):
 - build the engine: for `--model sim:<ms>` the simulated engine (enginecore.simulated, a benchmark instrument
   that never imports torch), else resolve and load the model (enginecore.model_source), log progress, allocate
   the KV cache; both then run the same loop (enginecore.serve_loop);
-- bind the ROUTER at ipc.sockets.engine_address(config.runtime_dir, rank);
-- then send exactly one record over `ready`: ipc.model_info.EngineReady, or EngineFailed(user_error=True) for a
+- bind the ROUTER at launch.endpoint (ipc:// beside the API servers, tcp:// on a headless node, CURVE with
+  launch.curve there);
+- then send exactly one record over `ready`: ipc.model_info.EngineReady (with the address bound), or EngineFailed(user_error=True) for a
   bad --model (the supervisor prints the one line and exits 2), or EngineFailed(user_error=False) otherwise;
 - serve until SIGTERM/SIGINT (exit code 0). If the loop raises: send ENGINE_DEAD to every API server it has heard
   from, log the traceback, exit code 1.
@@ -19,14 +20,13 @@ import logging
 import signal
 import sys
 import traceback
-from multiprocessing.connection import Connection
 
 from ipc.config import ServeConfig
 from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.model_info import EngineFailed, EngineReady
-from ipc.sockets import bind_router, engine_address
+from ipc.sockets import bind_router, bound_address
 
 log = logging.getLogger("enginecore")
 
@@ -40,7 +40,7 @@ def _on_signal(signum, frame):
 
 
 def run_engine_core(launch: EngineLaunch) -> None:
-    config, rank, ready, lifeline = launch.config, launch.rank, launch.ready, launch.lifeline
+    config, rank, lifeline = launch.config, launch.rank, launch.lifeline
     try:
         from setproctitle import setproctitle
 
@@ -53,23 +53,24 @@ def run_engine_core(launch: EngineLaunch) -> None:
     signal.signal(signal.SIGINT, _on_signal)
     die_with_parent(lifeline)
     try:
-        _serve(config, rank, ready)
+        _serve(launch)
     except ShutdownRequested as stop:
         log.info("stopping (%s)", stop)
         sys.exit(0)
 
 
-def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
+def _serve(launch: EngineLaunch) -> None:
     import zmq
 
     from enginecore.engine_base import BadEngineSetting
     from enginecore.model_source import ModelSourceError
     from enginecore.serve_loop import EngineServer
 
+    config, rank, ready = launch.config, launch.rank, launch.ready
     try:
         core = _make_engine(config, rank)
         ctx = zmq.Context()
-        router = bind_router(ctx, engine_address(config.runtime_dir, rank))
+        router = bind_router(ctx, launch.endpoint, launch.curve)
     except (ModelSourceError, BadEngineSetting) as exc:
         ready.send(EngineFailed(rank, str(exc), user_error=True))
         sys.exit(2)
@@ -78,11 +79,12 @@ def _serve(config: ServeConfig, rank: int, ready: Connection) -> None:
         ready.send(EngineFailed(rank, f"{type(exc).__name__}: {exc}", user_error=False))
         sys.exit(1)
     info = core.model_info
-    ready.send(EngineReady(rank, info))
+    address = bound_address(router)
+    ready.send(EngineReady(rank, info, address))
     ready.close()
     # Not "serving": that word is the supervisor's line once the whole group serves (tests wait for it).
     log.info("ready: %s on %s, %d KV blocks, listening at %s", config.model_name, info.device, info.num_kv_blocks,
-             engine_address(config.runtime_dir, rank))
+             address)
 
     server = EngineServer(core, router)
     try:

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from types import SimpleNamespace
 
 import zmq
 
-from enginecore.engine_base import EngineBase
+from enginecore.engine_base import EngineBase, finished_at_once
 from enginecore.grammar_compiler import CompilingRequests
 from ipc.codec import MalformedMessage, decode, encode
-from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, RequestOutput, UtilityCall,
-                          UtilityResult)
+from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, FinishReason, Kind, RequestOutput,
+                          UtilityCall, UtilityResult)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,22 @@ class EngineServer:
                 record = decode(payload)
             except MalformedMessage as exc:  # a malformed message must not kill the engine
                 log.warning("ignoring a malformed message from %r: %s", identity, exc)
+                self._answer_malformed(identity, payload[0], exc)
                 continue
             self._handle(identity, record)
+
+    def _answer_malformed(self, identity: bytes, kind: bytes, exc: MalformedMessage) -> None:
+        """An ADD the decoder refused still gets its answer when its id can be read (an 'error' output per choice):
+        its API server fails the request instead of waiting for it forever."""
+        fields = exc.fields
+        if bytes(kind) != Kind.ADD or fields is None or not isinstance(fields.get("request_id"), str):
+            return
+        sampling = fields.get("sampling")
+        # SamplingParams already, when the prompt was what failed its check
+        n = sampling.get("n") if isinstance(sampling, dict) else getattr(sampling, "n", None)
+        request = SimpleNamespace(request_id=fields["request_id"], prompt_token_ids=None, sampling=SimpleNamespace(n=n))
+        self.core.num_failed += 1
+        self._send_outputs([(identity, o) for o in finished_at_once(request, FinishReason.ERROR, str(exc))])
 
     def _handle(self, identity: bytes, record) -> None:
         if isinstance(record, EngineRequest):

@@ -12,8 +12,9 @@ decodes; after each full sentence comes EOS (the sentence's first token instead 
 still needs min_tokens). logprobs and prompt_logprobs are made up; a structured-output grammar is ignored (no
 compiler, no mask: EngineBase's defaults). A step first waits for its tick (a fixed pace,
 without drift): messages that come meanwhile wait in ZMQ's queue, as during a real forward pass. The prompt costs
-nothing: the first token comes one step after a request reaches an idle engine. No scheduler, no KV cache: every
-request runs at once.
+nothing: the first token comes one step after a request reaches an idle engine. No KV cache; like the real
+engine, it runs at most --max-num-seqs sequences in a step and later requests wait their turn in arrival order
+(reported as waiting), so an engine has a capacity, and data parallelism has something to scale (bench/dp.py).
 
 Test hooks, documented because tests rely on them:
 - a request whose id contains `sim-engine-die` makes the next step raise, as a real engine bug would: every API
@@ -69,38 +70,53 @@ class SimulatedEngine(EngineBase):
         self.model_info, self.sentence_ids = load_model_info(config)
         info = self.model_info
         super().__init__(info.max_model_len, info.vocab_size, info.eos_token_ids, use_priority=False)
+        self.max_num_seqs = config.max_num_seqs
         self.running: dict[int, Sequence] = {}  # by seq_id, in arrival order
+        self.waiting: dict[int, Sequence] = {}  # first sequences of requests that do not fit yet, in arrival order
         self._next_tick: float | None = None  # monotonic time of the next step while anything runs
         self._doomed: str | None = None  # the DIE_MARKER request that makes the next step raise
         self._failing: list = []  # keys of REQUEST_ERROR_MARKER requests, failed by the next step
         log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", self.interval * 1000)
 
-    # --- how this engine schedules (all at once) ------------------------------------------------------------
+    # --- how this engine schedules (up to --max-num-seqs at once, the rest in arrival order) ---------------
     def _schedule(self, seq: Sequence) -> None:
-        if not self.running:
-            self._next_tick = time.monotonic() + self.interval
         if DIE_MARKER in seq.request_id:
             self._doomed = seq.request_id
         if REQUEST_ERROR_MARKER in seq.request_id:
             self._failing.append((seq.client, seq.request_id))
-        self._start(seq)
+        self.waiting[seq.seq_id] = seq
+        self._admit()
+
+    def _admit(self) -> None:
+        """Waiting requests start, in arrival order, while all their choices fit in --max-num-seqs (one that does
+        not fit alone starts when nothing else runs)."""
+        while self.waiting:
+            seq = next(iter(self.waiting.values()))
+            if self.running and len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
+                return
+            del self.waiting[seq.seq_id]
+            self._start(seq)
 
     def _start_fork(self, parent: Sequence, child: Sequence) -> None:
-        self._start(child)
+        self._start(child)  # its place was counted when its parent was admitted
 
     def _start(self, seq: Sequence) -> None:
+        if not self.running:
+            self._next_tick = time.monotonic() + self.interval
         seq.status = SequenceStatus.RUNNING
         self.running[seq.seq_id] = seq
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.running.pop(seq.seq_id, None)
+        self.waiting.pop(seq.seq_id, None)
+        self._admit()
 
     def has_work(self) -> bool:
         return bool(self.running)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(len(self.running), 0, 0.0)
+        return EngineLoad(len(self.running), len(self.waiting), 0.0)
 
     # --- how it makes tokens --------------------------------------------------------------------------------
     def step(self) -> list[tuple[bytes | None, RequestOutput]]:

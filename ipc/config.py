@@ -72,6 +72,17 @@ class ServeConfig:
     restart_window: float = 60.0
     on_engine_failure: str = "exit"  # exit | restart
 
+    # Data parallelism across machines (vLLM's names; supervisor/layout.py reads them into one layout).
+    data_parallel_size_local: int | None = None  # engine cores on this node; None: all of them (one node)
+    data_parallel_start_rank: int = 0  # the first rank this node runs (headless nodes)
+    data_parallel_rank: int | None = None  # external balancing: this group serves this one rank
+    data_parallel_address: str = "127.0.0.1"  # the head's address: its registration port listens there
+    data_parallel_rpc_port: int = 13345  # the head's registration port
+    data_parallel_engine_port: int = 0  # first TCP port of this node's engine cores (0: any free ports)
+    data_parallel_engine_host: str | None = None  # where a headless node's engines listen; None: toward the head
+    data_parallel_key_file: str | None = None  # the shared CURVE key of the engine ports (ipc/curve.py)
+    headless: bool = False  # engine cores only, registered with the head
+
     # Filled in by the supervisor at start-up, not by the user.
     runtime_dir: str = ""
 

@@ -13,15 +13,24 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ipc.config import ServeConfig
+from ipc.curve import CurveKeys
 from ipc.model_info import ModelInfo
+from ipc.sockets import engine_address
 
 
 @dataclass(frozen=True)
 class EngineLaunch:
     config: ServeConfig
-    rank: int  # data-parallel rank: EngineCore_DP<rank>, its ROUTER at ipc.sockets.engine_address(..., rank)
+    rank: int  # data-parallel rank: EngineCore_DP<rank>
     ready: Connection  # the child's write end: exactly one EngineReady or EngineFailed
     lifeline: Connection  # the child's read end: EOF when the supervisor is gone
+    # Where its ROUTER binds: tcp:// on a headless node (port `*`: any free one); "" is the group's ipc:// address.
+    address: str = ""
+    curve: CurveKeys | None = None  # the deployment's key: a TCP ROUTER admits only its holders
+
+    @property
+    def endpoint(self) -> str:
+        return self.address or engine_address(self.config.runtime_dir, self.rank)
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,9 @@ class ApiServerLaunch:
     index: int  # identity, not position: ApiServer_<index>, ZMQ identity api-<index>, shared-memory slot <index>
     listen_socket: socket.socket  # already listening, shared by the whole group
     model: ModelInfo
-    engine_addresses: tuple[str, ...]  # one per engine rank, in rank order
+    engine_addresses: tuple[str, ...]  # one per engine this group reaches, in rank order
     shared_state_name: str  # ipc.shared_state.GroupState to attach
     ready: Connection  # the child's write end: True once it serves
     lifeline: Connection  # the child's read end: EOF when the supervisor is gone
+    engine_ranks: tuple[int, ...] = ()  # the data-parallel rank of each address (() : 0, 1, ...)
+    curve: CurveKeys | None = None  # the deployment's key, for engines on TCP

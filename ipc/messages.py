@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
+from ipc.typecheck import checked
 
 
 class Record:
@@ -17,6 +18,15 @@ class Record:
     @classmethod
     def from_dict(cls, d: dict):
         return cls(**d)
+
+
+class CheckedRecord(Record):
+    """A record towards an engine, which may come from another machine: every field is checked for its type
+    (ipc/typecheck.py) before the engine reads it, so a malformed one is dropped, never raised in a step."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return checked(cls, d)
 
 
 class Kind:
@@ -38,7 +48,7 @@ class FinishReason:
 
 
 @dataclass
-class EngineRequest(Record):
+class EngineRequest(CheckedRecord):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -46,12 +56,13 @@ class EngineRequest(Record):
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineRequest":
-        d["sampling"] = SamplingParams(**d["sampling"])
-        return cls(**d)
+        if isinstance(d, dict) and "sampling" in d:
+            d["sampling"] = checked(SamplingParams, d["sampling"])
+        return checked(cls, d)
 
 
 @dataclass
-class AbortRequests(Record):
+class AbortRequests(CheckedRecord):
     request_ids: list[str]
     # None: every choice of each request. Else only these choice indices (a choice that a stop string ended
     # while the request's other choices go on); the request's other choices keep running.
@@ -60,7 +71,7 @@ class AbortRequests(Record):
 
 
 @dataclass
-class UtilityCall(Record):
+class UtilityCall(CheckedRecord):
     """A named method of the engine core called by an API server (`ping`, `stats`, `reset_prefix_cache`) or by the
     supervisor (`abort_client` with an API server's identity, e.g. "api-3": the engine aborts every request of
     that server and returns how many)."""

@@ -23,6 +23,7 @@ class ModelInfo:
 class EngineReady:
     rank: int
     model: ModelInfo
+    address: str = ""  # where its ROUTER listens (the port a `*` bind got)
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,24 @@ from multiprocessing import shared_memory
 import atomicshm
 
 MAX_SLOTS = 128
+MAX_RANKS = 64  # --data-parallel-size's bound
 # open_connections, in_flight, heartbeat, pid, admitted requests, admitted prompt tokens
 _SLOT = struct.Struct("<qqdqqq")
 _FIELDS = 6
-_GLOBAL = struct.Struct("<qq")  # dead engine rank + 1, group stopping
+_GLOBAL = struct.Struct("<qq")  # version of the rank marks (bumped on every change), group stopping
 _GLOBAL_OFFSET = MAX_SLOTS * _SLOT.size
-SIZE = _GLOBAL_OFFSET + _GLOBAL.size
+_RANKS_OFFSET = _GLOBAL_OFFSET + _GLOBAL.size  # one int64 per data-parallel rank: 0 live, else a RANK_DOWN code
+# Per slot, one int64 per rank: that server's requests in flight at the rank (the balancer's group-wide view).
+_RANK_FLIGHT_OFFSET = _RANKS_OFFSET + MAX_RANKS * 8
+SIZE = _RANK_FLIGHT_OFFSET + MAX_SLOTS * MAX_RANKS * 8
+
+# Why a rank is marked down, as the API servers tell clients.
+RANK_EXITED, RANK_NODE_SILENT, RANK_NODE_LEFT = 1, 2, 3
+RANK_DOWN = {
+    RANK_EXITED: "its engine core exited",
+    RANK_NODE_SILENT: "its node stopped sending heartbeats",
+    RANK_NODE_LEFT: "its node went away",
+}
 
 _OPEN, _IN_FLIGHT, _HEARTBEAT, _PID, _ADMITTED_REQUESTS, _ADMITTED_TOKENS = range(_FIELDS)
 
@@ -106,6 +118,9 @@ class GroupState:
     def _zero_counters(self, slot: int) -> None:
         for field in (_OPEN, _IN_FLIGHT):
             self._ints[self._at(slot, field)] = 0
+        row = self._rank_row(slot)
+        for i in range(row, row + MAX_RANKS):
+            self._ints[i] = 0
         self._admitted_requests[slot].store(0)
         self._admitted_tokens[slot].store(0)
 
@@ -117,6 +132,27 @@ class GroupState:
                 n = self._ints[base + _OPEN]
                 best = n if best is None or n < best else best
         return best or 0
+
+    # Requests in flight per rank (apiserver/engine_loads.py balances on the group's sums). Only the server that
+    # owns `slot` writes its row; an aligned int64 store is whole, so a reader sees each count old or new.
+    def _rank_row(self, slot: int) -> int:
+        if not 0 <= slot < MAX_SLOTS:
+            raise IndexError(f"slot {slot} out of range")
+        return _RANK_FLIGHT_OFFSET // 8 + slot * MAX_RANKS
+
+    def add_in_flight_at(self, slot: int, rank: int, delta: int) -> None:
+        self._ints[self._rank_row(slot) + rank] += delta
+
+    def in_flight_at(self, ranks: list[int]) -> list[int]:
+        """Requests in flight at each of `ranks`, summed over every live API server."""
+        totals = [0] * len(ranks)
+        ints = self._ints
+        for slot in range(MAX_SLOTS):
+            if ints[slot * _FIELDS + _PID]:
+                row = _RANK_FLIGHT_OFFSET // 8 + slot * MAX_RANKS
+                for i, rank in enumerate(ranks):
+                    totals[i] += ints[row + rank]
+        return totals
 
     # Group-wide admission (the protocol is in apiserver/admission.py).
     def admitted(self) -> tuple[int, int]:
@@ -132,15 +168,26 @@ class GroupState:
         self._admitted_requests[slot].fetch_add(requests)
         self._admitted_tokens[slot].fetch_add(tokens)
 
-    # Set by the supervisor when it sees an engine core die without a word (kill -9, OOM): the API servers
-    # then answer 503 at once instead of waiting on an engine that will never reply.
-    def dead_engine(self) -> int | None:
-        """The rank of an engine core that died, or None while all live."""
-        value = self._ints[_GLOBAL_OFFSET // 8]
-        return value - 1 if value else None
+    # Set by the supervisor when an engine core dies without a word (kill -9, OOM) or a remote rank is lost (its
+    # node went away or fell silent): the API servers then fail its requests at once and send it no more. Cleared
+    # when a lost remote rank registers again (--on-engine-failure restart).
+    def ranks_version(self) -> int:
+        """Changes whenever a rank is marked down or up: a reader rescans `down_ranks` only then."""
+        return self._ints[_GLOBAL_OFFSET // 8]
 
-    def mark_engine_dead(self, rank: int) -> None:
-        self._ints[_GLOBAL_OFFSET // 8] = rank + 1
+    def down_ranks(self) -> dict[int, str]:
+        """Rank -> why it is down, for every rank marked down."""
+        base = _RANKS_OFFSET // 8
+        return {rank: RANK_DOWN.get(code, "it is gone") for rank in range(MAX_RANKS)
+                if (code := self._ints[base + rank])}
+
+    def mark_engine_dead(self, rank: int, why: int = RANK_EXITED) -> None:
+        self._ints[_RANKS_OFFSET // 8 + rank] = why
+        self._ints[_GLOBAL_OFFSET // 8] += 1
+
+    def mark_engine_live(self, rank: int) -> None:
+        self._ints[_RANKS_OFFSET // 8 + rank] = 0
+        self._ints[_GLOBAL_OFFSET // 8] += 1
 
     # Set by the supervisor before it stops the API servers for good (not when it drains one that a new
     # server replaces): a draining server then answers new requests 503 instead of serving them.

@@ -12,6 +12,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from ipc.config import ServeConfig
+from ipc.curve import CurveKeys
 from ipc.launch import ApiServerLaunch, EngineLaunch
 from ipc.model_info import ModelInfo
 from supervisor.child_entry import run_child
@@ -90,10 +91,11 @@ def _spawn(mp_context: SpawnContext, name: str, kind: str, index: int, entry: st
     return Child(name, kind, index, process, ready_read, lifeline_write)
 
 
-def spawn_engine_core(mp_context: SpawnContext, config: ServeConfig, rank: int) -> Child:
+def spawn_engine_core(mp_context: SpawnContext, config: ServeConfig, rank: int, address: str,
+                      curve: CurveKeys | None) -> Child:
     return _spawn(
         mp_context, f"EngineCore_DP{rank}", "engine", rank, ENGINE_ENTRY,
-        lambda ready, lifeline: EngineLaunch(config, rank, ready, lifeline),
+        lambda ready, lifeline: EngineLaunch(config, rank, ready, lifeline, address, curve),
     )
 
 
@@ -103,12 +105,16 @@ def spawn_api_server(
     index: int,
     listen_socket: socket.socket,
     model: ModelInfo,
-    engine_addresses: list[str],
+    engines: dict[int, str],
     shared_state_name: str,
+    curve: CurveKeys | None,
 ) -> Child:
+    """`engines`: rank -> address of every engine the server reaches."""
+    ranks = tuple(sorted(engines))
     return _spawn(
         mp_context, f"ApiServer_{index}", "api", index, GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
         lambda ready, lifeline: ApiServerLaunch(
-            config, index, listen_socket, model, tuple(engine_addresses), shared_state_name, ready, lifeline
+            config, index, listen_socket, model, tuple(engines[r] for r in ranks), shared_state_name, ready,
+            lifeline, ranks, curve,
         ),
     )

@@ -68,6 +68,30 @@ def _positive(click_context, param, value):
               type=click.IntRange(1, 64), help="API server processes sharing the listening socket.")
 @click.option("--data-parallel-size", default=_DEFAULTS.data_parallel_size, show_default=True,
               type=click.IntRange(1, 64), help="Engine cores, one per GPU (or one on the CPU).")
+@click.option("--data-parallel-size-local", default=None, type=click.IntRange(0, 64),
+              help="Engine cores on this node. Default: all of --data-parallel-size (one node). On a head, the "
+                   "other ranks register from --headless nodes.")
+@click.option("--data-parallel-start-rank", default=_DEFAULTS.data_parallel_start_rank, show_default=True,
+              type=click.IntRange(0, 63), help="The first rank this --headless node runs.")
+@click.option("--data-parallel-rank", default=None, type=click.IntRange(0, 63),
+              help="External balancing: this group serves rank N alone (one engine, its own port), for a router "
+                   "in front of --data-parallel-size such groups.")
+@click.option("--data-parallel-address", default=_DEFAULTS.data_parallel_address, show_default=True,
+              help="The head's address: its registration port listens there, and headless nodes reach it there.")
+@click.option("--data-parallel-rpc-port", default=_DEFAULTS.data_parallel_rpc_port, show_default=True,
+              type=click.IntRange(1, 65535), help="The head's registration port (TCP).")
+@click.option("--headless", is_flag=True,
+              help="Run engine cores only (no API servers, no HTTP port) and register them with the head.")
+@click.option("--data-parallel-engine-port", default=_DEFAULTS.data_parallel_engine_port, show_default=True,
+              type=click.IntRange(0, 65535),
+              help="--headless: the TCP port of this node's first engine core, the next ones count up (0: free ports).")
+@click.option("--data-parallel-engine-host", default=None,
+              help="--headless: the address this node's engine cores listen on. Default: this machine's address "
+                   "on the route to the head.")
+@click.option("--data-parallel-key-file", default=None, type=click.Path(dir_okay=False),
+              help="A file holding the deployment's secret (32+ characters, the same on every node): engine and "
+                   "registration ports on TCP then admit only its holders (ZMQ CURVE). Or set "
+                   "SUPERVISE_DATA_PARALLEL_KEY. Make one with: openssl rand -hex 32 > dp.key")
 @click.option("--max-model-len", default=None, type=int, callback=_positive,
               help="Longest prompt + output in tokens. Default: the model's own limit.")
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
@@ -183,17 +207,27 @@ def main(**options) -> None:
     Example:  supervise --api-server-count 4 --port 8000
     Then:     curl http://127.0.0.1:8000/v1/models
     """
+    config = build_config(options)
+    if config.headless:
+        from supervisor.headless import serve_headless
+
+        sys.exit(serve_headless(config))
     from supervisor.serve import serve  # after parsing: `--help` stays instant
 
-    sys.exit(serve(build_config(options)))
+    sys.exit(serve(config))
 
 
 def build_config(options: dict) -> ServeConfig:
     from supervisor.grpc_mode import option_conflict
+    from supervisor.layout import BadLayout, layout_of
 
     if options.get("enable_auto_tool_choice") and not options.get("tool_call_parser"):
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     config = ServeConfig(**options)
+    try:
+        layout_of(config)
+    except BadLayout as exc:
+        raise click.UsageError(str(exc)) from None
     conflict = option_conflict(config)
     if conflict:
         raise click.UsageError(conflict)

@@ -1,8 +1,11 @@
-"""The supervisor's own line to the engine cores: one DEALER per engine, identity `supervisor`.
+"""The supervisor's own line to the engine cores: one DEALER per engine, identity `supervisor` (a headless
+node's supervisor uses `node-supervisor`, so that the head's and the node's lines to one engine never take
+over each other's identity).
 
 It is used for one thing: when an API server is gone (it died, or the watchdog killed it, or it drained and
 exited), every engine aborts the requests of that server's identity (UTILITY `abort_client`), so no engine
-decodes on for a reader that no longer exists. Calls are sent without waiting; the answers are read whenever
+decodes on for a reader that no longer exists. A headless node uses it when a new head appears: the old head's
+API servers are all gone, so their requests are aborted on the node's engines. Calls are sent without waiting; the answers are read whenever
 the supervisor's event source wakes (these sockets are among what it waits on) and only logged.
 
 A replacement at the same index cannot lose its own requests to this abort: the abort is queued before the
@@ -17,37 +20,57 @@ import logging
 import zmq
 
 from ipc.codec import MalformedMessage, decode, encode
+from ipc.curve import CurveKeys
 from ipc.messages import EngineDead, UtilityCall, UtilityResult
-from ipc.sockets import SUPERVISOR_IDENTITY, connect_dealer
+from ipc.shared_state import MAX_SLOTS
+from ipc.sockets import SUPERVISOR_IDENTITY, api_server_identity, connect_dealer
 
 log = logging.getLogger(__name__)
 
 
 class EngineLink:
-    def __init__(self, engine_addresses: list[str]):
+    def __init__(self, engine_addresses: dict[int, str], curve: CurveKeys | None = None,
+                 identity: bytes = SUPERVISOR_IDENTITY):
+        """`engine_addresses`: rank -> address; `curve`: the deployment's key, for engines on TCP."""
         self._zmq = zmq.Context(io_threads=1)
-        self._sockets = [connect_dealer(self._zmq, address, SUPERVISOR_IDENTITY) for address in engine_addresses]
+        self._curve = curve
+        self._identity = identity
+        self._sockets = {rank: connect_dealer(self._zmq, address, identity, curve)
+                         for rank, address in engine_addresses.items()}
         self._call_ids = itertools.count(1)
-        self._calls: dict[int, tuple[int, str]] = {}  # call id -> (engine rank, the identity whose work it aborts)
+        self._calls: dict[int, tuple[int, str, bool]] = {}  # call id -> (rank, identity whose work it aborts, quiet)
 
     def filenos(self) -> list[int]:
-        return [sock.getsockopt(zmq.FD) for sock in self._sockets]
+        return [sock.getsockopt(zmq.FD) for sock in self._sockets.values()]
 
-    def abort_client(self, identity: bytes) -> None:
-        """Ask every engine to abort the requests of `identity` (api-<index>); the answers are logged later."""
+    def reconnect(self, rank: int, address: str) -> None:
+        """Engine `rank` listens at a new address (its node registered again)."""
+        old = self._sockets.pop(rank, None)
+        if old is not None:
+            old.close(linger=0)
+        self._sockets[rank] = connect_dealer(self._zmq, address, self._identity, self._curve)
+
+    def abort_every_client(self) -> None:
+        """Abort the requests of every API server identity there can be (a new head: all of them are gone)."""
+        for index in range(MAX_SLOTS):
+            self.abort_client(api_server_identity(index), quiet=True)
+
+    def abort_client(self, identity: bytes, quiet: bool = False) -> None:
+        """Ask every engine to abort the requests of `identity` (api-<index>); the answers are logged later
+        (`quiet`: only those that aborted something)."""
         name = identity.decode()
-        for rank, sock in enumerate(self._sockets):
+        for rank, sock in self._sockets.items():
             call_id = next(self._call_ids)
             try:
                 sock.send_multipart(encode(UtilityCall(call_id, "abort_client", [name])), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.warning("could not ask EngineCore_DP%d to abort the requests of %s: %s", rank, name, exc)
                 continue
-            self._calls[call_id] = (rank, name)
+            self._calls[call_id] = (rank, name, quiet)
         self.take_answers()  # a send can swallow the FD's edge: read now so the next answer raises it again
 
     def take_answers(self) -> None:
-        for rank, sock in enumerate(self._sockets):
+        for rank, sock in self._sockets.items():
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -58,7 +81,7 @@ class EngineLink:
                 except MalformedMessage as exc:
                     log.warning("ignoring a malformed message from EngineCore_DP%d: %s", rank, exc)
                     continue
-                if isinstance(record, UtilityResult):
+                if isinstance(record, UtilityResult) and isinstance(record.call_id, int):  # remote engines' too
                     self._on_result(record)
                 elif not isinstance(record, EngineDead):  # a dead engine's sentinel tells us that too
                     log.warning("ignoring a %s from EngineCore_DP%d", type(record).__name__, rank)
@@ -67,13 +90,13 @@ class EngineLink:
         call = self._calls.pop(result.call_id, None)
         if call is None:
             return
-        rank, name = call
+        rank, name, quiet = call
         if result.error is not None:
             log.warning("EngineCore_DP%d could not abort the requests of %s: %s", rank, name, result.error)
-        else:
+        elif not quiet or result.result:
             log.info("EngineCore_DP%d aborted %s request(s) of %s, which is gone", rank, result.result, name)
 
     def close(self) -> None:
-        for sock in self._sockets:
+        for sock in self._sockets.values():
             sock.close(linger=0)
         self._zmq.term()

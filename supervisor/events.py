@@ -1,5 +1,6 @@
 """The supervisor's one event source: every child's sentinel, the ready pipes of children that have not yet
-said READY, the signal self-pipe, the sockets of the supervisor's line to the engines, and named timers, all in
+said READY, the signal self-pipe, the sockets of the supervisor's line to the engines, those of the
+data-parallel links (a head's registration port, a headless node's line to its head), and named timers, all in
 one `multiprocessing.connection.wait`.
 
 Start-up, the watchdog and the stop all take their events from here; each maps them to what it does. Deaths
@@ -38,7 +39,33 @@ class TimerFired:
     key: Hashable
 
 
-Event = ChildReady | ChildExited | SignalArrived | TimerFired
+@dataclass(frozen=True)
+class RankJoined:
+    """A remote rank registered (a headless node's engine, reachable at `address`)."""
+
+    rank: int
+    address: str
+    node: str
+
+
+@dataclass(frozen=True)
+class RankLost:
+    """A remote rank is gone: its node left or fell silent. `why`: an ipc.shared_state RANK_* code."""
+
+    rank: int
+    reason: str
+    why: int
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    """Something a data-parallel link has to tell its owner (the headless node's line to its head)."""
+
+    what: str
+    detail: str = ""
+
+
+Event = ChildReady | ChildExited | SignalArrived | TimerFired | RankJoined | RankLost | LinkEvent
 
 
 class Timers:
@@ -77,6 +104,8 @@ class EventSource:
         self.inbox = inbox
         self.timers = timers
         self.engine_link = None  # supervisor.engine_link.EngineLink, once the engines serve
+        # Data-parallel links: objects with filenos(), take() -> [Event], seconds_to_next() -> float | None.
+        self.links: list = []
 
     def wait(self, children: Iterable[Child], timeout: float | None = None) -> list[Event]:
         """Block until something happens to `children`, a signal, a timer (or `timeout`); what happened."""
@@ -84,9 +113,11 @@ class EventSource:
         sentinels = {c.process.sentinel: c for c in children}
         pipes = {c.ready_conn: c for c in children if c.awaiting_ready}
         link_fds = self.engine_link.filenos() if self.engine_link is not None else []
-        next_timer = self.timers.seconds_to_next()
-        if next_timer is not None:
-            timeout = next_timer if timeout is None else min(timeout, next_timer)
+        for link in self.links:
+            link_fds += link.filenos()
+        for next_due in (self.timers.seconds_to_next(), *(link.seconds_to_next() for link in self.links)):
+            if next_due is not None:
+                timeout = next_due if timeout is None else min(timeout, next_due)
         woke = wait([*sentinels, *pipes, self.inbox, *link_fds], timeout=timeout)
         events: list[Event] = []
         for conn in woke:
@@ -105,6 +136,8 @@ class EventSource:
         if self.engine_link is not None:
             # ZMQ's FD is edge-triggered: drain on every wake, not only when the FD said so.
             self.engine_link.take_answers()
+        for link in self.links:
+            events.extend(link.take())
         events.extend(TimerFired(key) for key in self.timers.pop_due())
         return events
 

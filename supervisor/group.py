@@ -4,7 +4,8 @@ Only the group spawns, drains, kills and reaps children, and only it edits its l
 watchdog decides *when* (it maps events to these verbs); the group does it, and never waits except in `start`
 and `stop`, through the supervisor's one event source.
 
-Start-up: engines first, then the API servers that talk to them; the stop in reverse.
+Start-up: engines first (the local ones, then the remote ranks headless nodes register), then the API servers
+that talk to them; the stop in reverse.
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import socket
 from collections.abc import Collection
 
 from ipc.config import ServeConfig
+from ipc.curve import CurveKeys
 from ipc.model_info import EngineReady, ModelInfo
-from ipc.shared_state import GroupState
-from ipc.sockets import api_server_identity, engine_address
+from ipc.shared_state import RANK_EXITED, GroupState
+from ipc.sockets import api_server_identity
 from supervisor.children import Child, spawn_api_server, spawn_engine_core
 from supervisor.engine_link import EngineLink
 from supervisor.events import ChildExited, EventSource, SignalArrived, TimerFired
+from supervisor.layout import layout_of, local_engine_address
 from supervisor.signals import STOP_SIGNALS
 from supervisor.startup import wait_until_ready
 from supervisor.systemd import SystemdNotifier
@@ -31,15 +34,22 @@ _STOP_DEADLINE = "stop-deadline"
 
 
 class ProcessGroup:
-    def __init__(self, config: ServeConfig, listen_socket: socket.socket, events: EventSource,
-                 notifier: SystemdNotifier):
+    def __init__(self, config: ServeConfig, listen_socket: socket.socket | None, events: EventSource,
+                 notifier: SystemdNotifier, registry=None, curve: CurveKeys | None = None, engine_host: str = ""):
+        """`registry`: a head's supervisor.registration.Registry; `curve`: the deployment's key;
+        `engine_host`: where a headless node's engines listen. A headless node has no listen socket."""
         self.config = config
         self.listen_socket = listen_socket
         self.events = events
         self.notifier = notifier
         self.mp_context = multiprocessing.get_context("spawn")
         self.state = GroupState.create()
-        self.engine_addresses = [engine_address(config.runtime_dir, r) for r in range(config.data_parallel_size)]
+        self.layout = layout_of(config)
+        self.registry = registry
+        self.curve = curve
+        # Rank -> address: local engines' now (a `*` port becomes real at READY), remote ones as they register.
+        self.engine_addresses = {r: local_engine_address(config, self.layout, r, engine_host)
+                                 for r in self.layout.local_ranks}
         self.engines: list[Child] = []
         self.api_servers: dict[int, Child] = {}  # index -> the server that serves under it
         self.draining: list[Child] = []  # replaced or surplus API servers finishing their requests
@@ -52,21 +62,7 @@ class ProcessGroup:
     # Start-up.
     def start(self) -> None:
         """Engines, then API servers; returns when all serve. Raises StartupFailed or StopRequested."""
-        n = self.config.data_parallel_size
-        self.notifier.status(f"loading the model in {n} engine core(s)")
-        self.engines = [spawn_engine_core(self.mp_context, self.config, rank) for rank in range(n)]
-        records = wait_until_ready(
-            self.events, self.engines, self.config.engine_ready_timeout, "--engine-ready-timeout", self.notifier,
-            f"{n} engine core(s)",
-        )
-        ready: EngineReady = records[self.engines[0].name]
-        self.model = ready.model
-        log.info(
-            "model %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
-            self.config.model_name, ready.model.device, ready.model.dtype, ready.model.max_model_len,
-            ready.model.num_kv_blocks, ready.model.block_size,
-        )
-        self.engine_link = self.events.engine_link = EngineLink(self.engine_addresses)
+        self.start_engines()
         self.notifier.status("starting the API servers")
         servers = [self.spawn_api_server(i) for i in range(self.config.api_server_count)]
         wait_until_ready(
@@ -74,11 +70,51 @@ class ProcessGroup:
             self.notifier, f"{len(servers)} API server(s)",
         )
 
+    def start_engines(self, link_identity: bytes | None = None) -> None:
+        """The local engines, then the remote ranks (a head); returns once every one is ready."""
+        local = self.layout.local_ranks
+        self.notifier.status(f"loading the model in {len(local)} engine core(s)")
+        self.engines = [
+            spawn_engine_core(self.mp_context, self.config, rank, self.engine_addresses[rank], self.curve)
+            for rank in local
+        ]
+        records = wait_until_ready(
+            self.events, self.engines, self.config.engine_ready_timeout, "--engine-ready-timeout", self.notifier,
+            f"{len(local)} engine core(s)",
+        )
+        for child in self.engines:
+            self.engine_addresses[child.index] = records[child.name].address
+        ready: EngineReady = records[self.engines[0].name]
+        self.model = ready.model
+        log.info(
+            "model %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
+            self.config.model_name, ready.model.device, ready.model.dtype, ready.model.max_model_len,
+            ready.model.num_kv_blocks, ready.model.block_size,
+        )
+        if self.layout.remote_ranks:
+            self._wait_for_remote_ranks()
+        extra = {} if link_identity is None else {"identity": link_identity}
+        self.engine_link = self.events.engine_link = EngineLink(self.engine_addresses, self.curve, **extra)
+
+    def _wait_for_remote_ranks(self) -> None:
+        self.registry.expect_model(self.model)
+        registered = self.registry.registered()
+        remote = {rank: registered.get(rank) for rank in self.layout.remote_ranks}
+        missing = [r for r, address in remote.items() if address is None]
+        if missing:
+            log.info("waiting for rank(s) %s to register at %s", ", ".join(map(str, missing)), self.registry.address)
+            self.notifier.status(f"waiting for {len(missing)} rank(s) from headless nodes")
+        wait_until_ready(
+            self.events, [], self.config.engine_ready_timeout, "--engine-ready-timeout", self.notifier,
+            f"{len(remote)} remote rank(s)", remote=remote,
+        )
+        self.engine_addresses.update(remote)
+
     # The verbs.
     def spawn_api_server(self, index: int, replaces: int | None = None) -> Child:
         child = spawn_api_server(
             self.mp_context, self.config, index, self.listen_socket, self.model, self.engine_addresses,
-            self.state.name,
+            self.state.name, self.curve,
         )
         child.replaces = replaces
         self.api_servers[index] = child
@@ -116,9 +152,21 @@ class ProcessGroup:
                 self.engine_link.abort_client(api_server_identity(child.index))
         child.close()
 
-    def mark_engine_dead(self, rank: int) -> None:
-        """API servers answer 503 at once instead of waiting on an engine that will never reply."""
-        self.state.mark_engine_dead(rank)
+    def mark_engine_dead(self, rank: int, why: int = RANK_EXITED) -> None:
+        """API servers fail its requests at once and send it no more, instead of waiting on an engine that will
+        never reply."""
+        self.state.mark_engine_dead(rank, why)
+
+    def take_back_rank(self, rank: int, address: str) -> None:
+        """A lost remote rank registered again at `address`: the supervisor's line reaches it there, and API
+        servers started from now on use it (the watchdog replaces the running ones)."""
+        self.engine_addresses[rank] = address
+        if self.engine_link is not None:
+            self.engine_link.reconnect(rank, address)
+        self.state.mark_engine_live(rank)
+
+    def rank_is_down(self, rank: int) -> bool:
+        return rank in self.state.down_ranks()
 
     # Facts the watchdog reads.
     def free_api_index(self, reserved: Collection[int] = ()) -> int:

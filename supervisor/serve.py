@@ -9,10 +9,13 @@ import tempfile
 from setproctitle import setproctitle
 
 from ipc.config import ServeConfig
+from ipc.curve import KeyProblem, load_keys, warn_if_unauthenticated
 from ipc.logs import setup_logging
 from supervisor.events import EventSource, Timers
 from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
+from supervisor.layout import layout_of
+from supervisor.registration import Registry
 from supervisor.listen_socket import PortInUse, bound_address, open_listen_socket
 from supervisor.signals import SignalInbox
 from supervisor.startup import StartupFailed, StopRequested
@@ -26,6 +29,12 @@ def serve(config: ServeConfig) -> int:
     setproctitle("supervise: supervisor")
     setup_logging("supervisor", config.log_level)
     notifier = SystemdNotifier()
+    layout = layout_of(config)
+    try:
+        curve = load_keys(config.data_parallel_key_file)
+    except KeyProblem as exc:
+        print(f"supervise: error: {exc}", file=sys.stderr)
+        return 2
     metrics_socket = None
     try:
         # --grpc: grpcio binds its own sockets, so the ports are only reserved (supervisor/grpc_mode.py).
@@ -40,26 +49,42 @@ def serve(config: ServeConfig) -> int:
         print(f"supervise: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     host, port = bound_address(listen_socket)
+    registry = None
+    if layout.remote_ranks:  # a head: headless nodes register the other ranks here
+        try:
+            registry = Registry(config, layout, curve)
+        except OSError as exc:
+            listen_socket.close()
+            if metrics_socket is not None:
+                metrics_socket.close()
+            print(f"supervise: error: {exc}", file=sys.stderr)
+            return 1
+        log.info("%s; registration port %s", layout.describe(), registry.address)
+        warn_if_unauthenticated(curve, f"registration port {registry.address}")
     inbox = SignalInbox()  # before any child exists, so a SIGTERM during the model load is heard
     runtime_dir = tempfile.mkdtemp(prefix="supervise-")
     config = config.replace(runtime_dir=runtime_dir, port=port)
     try:
         while True:
-            outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port)
+            outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve)
             if outcome is not Outcome.RESTART_GROUP:
                 return outcome
             log.warning("restarting the group in place; the port stays open")
     finally:
         listen_socket.close()
+        if registry is not None:
+            registry.close()
         if metrics_socket is not None:
             metrics_socket.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int | Outcome:
+def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve) -> int | Outcome:
     timers = Timers()
     events = EventSource(inbox, timers)
-    group = ProcessGroup(config, listen_socket, events, notifier)
+    if registry is not None:
+        events.links.append(registry)
+    group = ProcessGroup(config, listen_socket, events, notifier, registry=registry, curve=curve)
     try:
         try:
             group.start()
@@ -76,10 +101,12 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port) -> int |
             group.kill_all()
             return 0
         url_host = f"[{host}]" if ":" in host else host
+        engines = len(group.layout.served_ranks)
         scheme = "grpc" if config.grpc else "http"
         summary = (
             f"serving {config.model_name} on {scheme}://{url_host}:{port} with {config.api_server_count} API "
-            f"server(s) and {config.data_parallel_size} engine core(s)"
+            f"server(s) and {engines} engine core(s)"
+            + (f" ({group.layout.describe()})" if group.layout.remote_ranks or group.layout.external else "")
         )
         if config.metrics_port is not None:
             summary += f"; metrics on http://{url_host}:{config.metrics_port}/metrics"

@@ -13,7 +13,8 @@ import signal
 from collections import deque
 
 from supervisor.children import Child
-from supervisor.events import ChildExited, ChildReady, Event, EventSource, SignalArrived, TimerFired, Timers
+from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankJoined, RankLost, SignalArrived,
+                               TimerFired, Timers)
 from supervisor.restart_policy import RestartBudget
 from supervisor.signals import STOP_SIGNALS, describe_exit
 from supervisor.systemd import SystemdNotifier
@@ -46,6 +47,7 @@ class Watchdog:
         self.restarts_due: dict[int, int | None] = {}  # index of a dead API server -> the index it replaced
         self.to_roll: deque[int] = deque()  # SIGHUP: indices still to replace
         self.rolling = False
+        self.roll_again = False  # a rank came back during a rolling restart: roll once more when it ends
         self.engine_failed = False  # the group goes down when the grace ends; nothing is restarted meanwhile
         # systemd's watchdog wants a ping every half period: tick at least that often.
         self.tick = min(TICK, notifier.watchdog_interval or TICK)
@@ -67,6 +69,10 @@ class Watchdog:
             return self._on_exit(event.child)
         elif isinstance(event, TimerFired):
             return self._on_timer(event.key)
+        elif isinstance(event, RankLost):
+            return self._on_rank_lost(event)
+        elif isinstance(event, RankJoined):
+            self._on_rank_joined(event)
         return None
 
     # Signals.
@@ -79,7 +85,7 @@ class Watchdog:
         if self.engine_failed:
             return None
         if signum == signal.SIGHUP:
-            self._begin_rolling_restart()
+            self._begin_rolling_restart("SIGHUP")
         elif signum == signal.SIGTTIN:
             index = self.group.free_api_index(set(self.restarts_due))
             log.info("SIGTTIN: adding ApiServer_%d", index)
@@ -88,11 +94,11 @@ class Watchdog:
             self._remove_one_server()
         return None
 
-    def _begin_rolling_restart(self) -> None:
+    def _begin_rolling_restart(self, why: str) -> None:
         if self.rolling:
-            log.info("SIGHUP: a rolling restart is already under way")
+            log.info("%s: a rolling restart is already under way", why)
             return
-        log.info("SIGHUP: rolling restart of %d API server(s)", len(self.group.api_servers))
+        log.info("%s: rolling restart of %d API server(s)", why, len(self.group.api_servers))
         self.notifier.reloading()
         self.rolling = True
         self.to_roll.extend(sorted(self.group.api_servers))
@@ -107,6 +113,9 @@ class Watchdog:
         self.rolling = False
         self.notifier.ready(self._status())
         log.info("rolling restart done")
+        if self.roll_again:
+            self.roll_again = False
+            self._begin_rolling_restart("a rank came back during the last one")
 
     def _remove_one_server(self) -> None:
         if len(self.group.api_servers) <= 1:
@@ -161,10 +170,42 @@ class Watchdog:
         if self.config.on_engine_failure == "restart":
             log.warning("--on-engine-failure restart: restarting the whole group, the port stays open")
             return Outcome.RESTART_GROUP
+        self._go_down_after_grace()
+        return None
+
+    def _go_down_after_grace(self) -> None:
         if not self.engine_failed:
             self.engine_failed = True
             self.timers.set(_ENGINE_GRACE, ENGINE_FAILURE_GRACE)
+
+    # Remote ranks (a head): what the registration port saw.
+    def _on_rank_lost(self, event: RankLost) -> Outcome | None:
+        """A headless node's rank is gone: its requests fail at once (503, or an error event in a stream). The
+        group goes down like for any engine failure, or, with --on-engine-failure restart, serves on with the
+        ranks it has until the node registers again: the other ranks lose nothing."""
+        self.group.mark_engine_dead(event.rank, event.why)
+        self.notifier.status(f"rank {event.rank} lost")
+        if self.config.on_engine_failure == "restart":
+            live = [r for r in self.group.layout.served_ranks if not self.group.rank_is_down(r)]
+            log.warning("--on-engine-failure restart: serving on ranks %s until rank %d registers again",
+                        ", ".join(map(str, live)) or "(none)", event.rank)
+            return None
+        self._go_down_after_grace()
         return None
+
+    def _on_rank_joined(self, event: RankJoined) -> None:
+        """A rank registered while the group serves: a lost one coming back (--on-engine-failure restart), or a
+        live one at a new address. New API servers connect to it; the running ones are replaced one by one, each
+        finishing its requests first (the rolling restart of SIGHUP)."""
+        if self.engine_failed:
+            return
+        self.group.take_back_rank(event.rank, event.address)
+        log.info("rank %d is back (node %s, engine at %s): replacing the API servers so they reach it",
+                 event.rank, event.node, event.address)
+        if self.rolling:
+            self.roll_again = True
+        else:
+            self._begin_rolling_restart(f"rank {event.rank} is back")
 
     # Timers.
     def _on_timer(self, key) -> Outcome | None:

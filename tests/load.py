@@ -9,13 +9,14 @@ import httpx
 
 class BackgroundLoad:
     def __init__(self, url: str, model: str, clients: int = 4, max_tokens: int = 20, stream: bool = True,
-                 max_seconds: float = 120.0):
+                 max_seconds: float = 120.0, headers: dict | None = None):
         self.url = url
         self.body = {
             "model": model, "messages": [{"role": "user", "content": "Say something."}],
             "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
         }
         self.stream = stream
+        self.headers = headers or {}
         self.deadline = time.monotonic() + max_seconds  # bounded whatever the test does
         self.ok = 0
         self.failures: list[str] = []
@@ -37,7 +38,7 @@ class BackgroundLoad:
             t.join(60)
 
     def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=60) as client:
+        with httpx.Client(base_url=self.url, timeout=60, headers=self.headers) as client:
             while not self._stop.is_set() and time.monotonic() < self.deadline:
                 outcome = self._one(client)
                 with self._lock:

@@ -17,9 +17,10 @@ _URL_LINE = re.compile(r"serving .* on (http://\S+) with")
 
 
 class Supervise:
-    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0, prefix: list[str] = ()):
+        """`prefix`: a command to run it under (e.g. `ip netns exec NAME`)."""
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="supervise-", suffix=".log", delete=False)
-        self.args = [SUPERVISE, "--host", "127.0.0.1", "--port", str(port), *args]
+        self.args = [*prefix, SUPERVISE, "--host", "127.0.0.1", "--port", str(port), *args]
         self.proc = subprocess.Popen(
             self.args, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,

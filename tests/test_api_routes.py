@@ -90,17 +90,24 @@ def test_prompt_tokens_details(http):
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
+def server_load(http) -> int:
+    return http.get("/load").json()["server_load"]
+
+
 def test_load_counts_requests_in_flight(http, full):
-    assert http.get("/load").json() == {"server_load": 0}
+    assert server_load(http) == 0
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{full.base_url}/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()  # kept: a dropped line iterator closes the response
         next(lines)
-        assert http.get("/load").json() == {"server_load": 1}
+        load = http.get("/load").json()
+        assert load["server_load"] == 1
+        (engine,) = load["engines"]  # the one rank, as this API server sees it
+        assert engine["rank"] == 0 and engine["up"] and engine["in_flight_here"] == 1
     for _ in range(50):
-        if http.get("/load").json() == {"server_load": 0}:
+        if server_load(http) == 0:
             break
-    assert http.get("/load").json() == {"server_load": 0}
+    assert server_load(http) == 0
 
 
 def test_openapi_and_offline_docs(http):
@@ -134,7 +141,7 @@ def test_optional_routes_are_off_by_default(plain):
         response = httpx.get(plain.url + path, timeout=10)
         assert response.status_code == 404 and "error" in response.json()
     assert httpx.post(plain.url + "/reset_prefix_cache", timeout=10).status_code == 404
-    assert httpx.get(plain.url + "/load", timeout=10).json() == {"server_load": 0}
+    assert httpx.get(plain.url + "/load", timeout=10).json()["server_load"] == 0
 
 
 def metric(text: str, name: str) -> float:

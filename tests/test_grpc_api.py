@@ -134,7 +134,7 @@ BAD_REQUESTS = [
     ("images", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                   mm_inputs=pb.MultimodalInputs(im_token_id=3)), "text only"),
     ("rank that does not exist", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT),
-                                                    data_parallel_rank=3), "data-parallel ranks 0 to 0"),
+                                                    data_parallel_rank=3), "rank 3 is not served here"),
 ]
 
 
@@ -210,7 +210,7 @@ def test_request_id_priority_and_rank_metadata(group, stub):
     named = stub.Generate(generate_request(PROMPT, "my-own-id", max_tokens=1))
     list(named)
     assert "x-request-id" not in dict(named.trailing_metadata())
-    for metadata, message in ((("x-priority", "high"),), "x-priority"), ((("x-data-parallel-rank", "1"),), "ranks 0"):
+    for metadata, message in ((("x-priority", "high"),), "x-priority"), ((("x-data-parallel-rank", "1"),), "rank 1 is not served"):
         error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=1), metadata=metadata))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
 

@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import grpc
+import httpx
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
@@ -115,3 +116,28 @@ def test_sigterm_lets_a_running_stream_finish(group):
     assert rest[-1].complete.finish_reason == "length" and len(rest[-1].complete.output_ids) == 150
     assert group.wait_exit(30) == 0
     assert wait_gone(servers, 10) == []
+
+
+def test_data_parallel_ranks_are_pinned_by_field_or_metadata_and_reported_by_get_loads():
+    def sent_to_ranks(server) -> list[float]:
+        text = httpx.get(server.metrics_url, timeout=5).text
+        return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("supervise_engine_requests_total{")]
+
+    with GrpcSupervise("--model", "sim:5", "--data-parallel-size", "2", "--api-server-count", "2",
+                       "--metrics-port", "0") as server:
+        stub = server.stub()
+        assert sent_to_ranks(server) == [0, 0]
+        for rank, field, metadata in ((1, 1, ()), (1, None, (("x-data-parallel-rank", "1"),)), (0, 0, ())):
+            request = generate_request([5, 6, 7], max_tokens=3)
+            if field is not None:
+                request.data_parallel_rank = field
+            assert list(stub.Generate(request, metadata=metadata))[-1].complete.finish_reason == "length"
+        assert sent_to_ranks(server) == [1, 2]  # each where it was pinned
+        loads = stub.GetLoads(pb.GetLoadsRequest())
+        assert loads.dp_rank_count == 2 and [load.dp_rank for load in loads.loads] == [0, 1]
+        assert [load.dp_rank for load in stub.GetLoads(pb.GetLoadsRequest(dp_rank=1)).loads] == [1]
+        for metadata in ((("x-data-parallel-rank", "2"),), (("x-data-parallel-rank", "one"),)):
+            error = error_of(lambda: stub.Generate(generate_request([5], max_tokens=1), metadata=metadata))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert sent_to_ranks(server) == [1, 2]

@@ -20,7 +20,7 @@ def open_unread_stream(server, body: dict) -> socket.socket:
 def test_an_engine_flooding_outputs_does_not_starve_the_event_loop(start_supervise):
     # sim:1 with 4 x 128 sequences: some 500 outputs a millisecond, more than one API server can decode.
     # Its loop must still beat and answer /health; today one socket drain never ends and it is killed.
-    server = start_supervise("--model", "sim:1", "--heartbeat-timeout", "3")
+    server = start_supervise("--model", "sim:1", "--heartbeat-timeout", "3", "--max-num-seqs", "512")
     pid = server.child_titled("ApiServer_0").pid
     body = {"model": "sim:1", "prompt": "x", "max_tokens": 4000, "n": 128, "stream": True,
             "ignore_eos": True}

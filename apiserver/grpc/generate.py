@@ -72,8 +72,9 @@ async def generate(ctx: ServerContext, call: GenerateInput, running: RunningRequ
     stream = None
     try:
         engine_id = f"{call.request_id}-{_PROCESS_TAG}{next(_COUNTER)}"
-        stream = ctx.engine.generate([(engine_id, call.prompt)], call.sampling, call.priority)
+        stream = ctx.engine.generate([(engine_id, call.prompt)], call.sampling, call.priority, call.rank)
         running.add(call.request_id, stream)
+        ctx.metrics.count_routed(ctx.engine.ranks_of(stream))
         while not builder.done:
             try:
                 outputs = await stream.next_batch()

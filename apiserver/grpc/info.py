@@ -83,12 +83,14 @@ def server_info(ctx: ServerContext, started: float, last_arrival: float) -> pb.G
 async def loads(ctx: ServerContext, request: pb.GetLoadsRequest) -> pb.GetLoadsResponse:
     """Each engine's running and waiting requests and KV cache use, asked of the engines themselves."""
     engine = ctx.engine
-    ranks = list(range(engine.num_engines))
+    positions = list(range(engine.num_engines))
     if request.HasField("dp_rank"):
-        if request.dp_rank not in ranks:
-            raise invalid_argument(f"`dp_rank` is {request.dp_rank}: this group has ranks 0 to {ranks[-1]}")
-        ranks = [request.dp_rank]
-    stats = await asyncio.gather(*(engine.call_utility(r, "stats", timeout=STATS_TIMEOUT) for r in ranks))
+        if request.dp_rank not in engine.ranks:
+            served = ", ".join(map(str, engine.ranks))
+            raise invalid_argument(f"`dp_rank` is {request.dp_rank}: this group serves ranks {served}")
+        positions = [engine.ranks.index(request.dp_rank)]
+    stats = await asyncio.gather(*(engine.call_utility(i, "stats", timeout=STATS_TIMEOUT) for i in positions))
+    ranks = [engine.ranks[i] for i in positions]
     return pb.GetLoadsResponse(
         timestamp=datetime.now(timezone.utc).isoformat(),
         version=_package_version(),

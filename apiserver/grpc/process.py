@@ -58,7 +58,7 @@ def run_grpc_api_server(launch: ApiServerLaunch) -> None:
     launch.listen_socket.close()  # the supervisor's reservation stays with the supervisor
     group = GroupState.attach(launch.shared_state_name)
     group.claim(index, os.getpid())
-    engine = EngineClient(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n))
+    engine = EngineClient.for_launch(launch, group)
     ctx = ServerContext(
         config=config, index=index, model=model, renderer=None, engine=engine, group=group,
         admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
@@ -77,6 +77,7 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
     health = _HealthReport(ctx)
     heartbeat = asyncio.create_task(beat_forever(ctx.group, ctx.index, health.update), name="heartbeat")
     try:
+        ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
         await engine.start(ENGINE_PING_TIMEOUT)
         # --max-request-body-bytes bounds a request message, as it bounds an HTTP body.
         server = grpc.aio.server(
@@ -89,12 +90,12 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
         await server.start()
         metrics_server = None
         if config.metrics_port is not None:
-            metrics_server = await serve_metrics(
-                config.host, config.metrics_port, lambda: ctx.metrics.exposition(ctx.group, ctx.model_name)
-            )
+            metrics_server = await serve_metrics(config.host, config.metrics_port, lambda: ctx.metrics.exposition(
+                ctx.group, ctx.model_name, ctx.engine.rank_views()))
         ready.send(True)
         stopping = _StopRequests(server, stop)
-        watcher = asyncio.create_task(watch_engines(engine, config.engine_ping_interval, stopping.engine_gone),
+        watcher = asyncio.create_task(watch_engines(engine, config.engine_ping_interval, stopping.engine_gone,
+                                                     ctx.sync_down_ranks),
                                       name="engine-watch")
         await stopping.wait()
         watcher.cancel()

@@ -50,10 +50,10 @@ class GenerateInput:
     sampling: SamplingParams
     priority: int
     stream: bool
-    rank: int | None  # the data-parallel rank asked for (checked to exist; see README: not pinned yet)
+    rank: int | None  # the data-parallel rank asked for: the engine client pins it (UnknownRank if not served)
 
 
-def parse_generate(request, metadata: dict, model: ModelInfo, num_engines: int) -> GenerateInput:
+def parse_generate(request, metadata: dict, model: ModelInfo) -> GenerateInput:
     _refuse_unknown_fields(request)
     prompt = _prompt(request, model)
     return GenerateInput(
@@ -62,7 +62,7 @@ def parse_generate(request, metadata: dict, model: ModelInfo, num_engines: int) 
         sampling=_sampling(request.sampling_params, model, len(prompt)),
         priority=_priority(metadata),
         stream=request.stream,
-        rank=_rank(request, metadata, num_engines),
+        rank=_rank(request, metadata),
     )
 
 
@@ -196,17 +196,12 @@ def _priority(metadata: dict) -> int:
     return 0
 
 
-def _rank(request, metadata: dict, num_engines: int) -> int | None:
+def _rank(request, metadata: dict) -> int | None:
     if request.HasField("data_parallel_rank"):
-        rank, where = request.data_parallel_rank, "`data_parallel_rank`"
-    elif "x-data-parallel-rank" in metadata:
-        where = "`x-data-parallel-rank` metadata"
-        try:
-            rank = int(metadata["x-data-parallel-rank"])
-        except ValueError:
-            raise invalid_argument(f"{where} must be an integer") from None
-    else:
+        return request.data_parallel_rank
+    if "x-data-parallel-rank" not in metadata:
         return None
-    if not 0 <= rank < num_engines:
-        raise invalid_argument(f"{where} is {rank}: this group has data-parallel ranks 0 to {num_engines - 1}")
-    return rank
+    try:
+        return int(metadata["x-data-parallel-rank"])
+    except ValueError:
+        raise invalid_argument("`x-data-parallel-rank` metadata must be an integer") from None

@@ -1,0 +1,210 @@
+"""`supervise --headless`: a node that runs engine cores only, registered with the head.
+
+No API servers and no HTTP port: the node starts its ranks' engines on TCP (CURVE with the deployment's key),
+waits for them to load (READY to systemd then, like a head), and from then on says HELLO to the head four
+times per --engine-ping-interval (ipc/registration.py). The same beat registers the node, keeps it registered,
+and registers it again with a head that restarted: the engines stay loaded meanwhile, however long the head is
+away, and the node logs that it waits. When a new head appears, the old head's API servers are all gone, so
+their unfinished requests are aborted on this node's engines.
+
+The node goes down, saying LEAVING first so that the head marks its ranks down at once:
+- on SIGTERM/SIGINT (exit 0), its engines stopped cleanly;
+- when one of its engines dies (exit 1): the node cannot serve its ranks, and its service manager restarts it;
+- when the head refuses it (exit 2): wrong size, a rank out of range or taken, another model; one line says why.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+
+import zmq
+from setproctitle import setproctitle
+
+from ipc.config import ServeConfig
+from ipc.curve import CurveKeys, KeyProblem, load_keys, warn_if_unauthenticated
+from ipc.logs import setup_logging
+from ipc.model_info import ModelInfo
+from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeHello, NodeLeaving,
+                              decode_node_message, encode_node_message)
+from ipc.sockets import NODE_SUPERVISOR_IDENTITY, connect_dealer, tcp_address
+from supervisor.events import ChildExited, EventSource, LinkEvent, SignalArrived, TimerFired, Timers
+from supervisor.group import ProcessGroup
+from supervisor.layout import Layout, engine_host_toward, layout_of
+from supervisor.signals import STOP_SIGNALS, SignalInbox, describe_exit
+from supervisor.startup import StartupFailed, StopRequested
+from supervisor.systemd import SystemdNotifier
+
+log = logging.getLogger("supervisor")
+
+BEATS_PER_INTERVAL = 4
+WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines, the first as the head falls silent
+_BEAT = "beat"
+
+
+class HeadLink:
+    """The node's DEALER to the head's registration port."""
+
+    def __init__(self, config: ServeConfig, layout: Layout, curve: CurveKeys | None, engines: dict[int, str],
+                 model: ModelInfo):
+        self.node_id = uuid.uuid4().hex
+        self.head = tcp_address(config.data_parallel_address, config.data_parallel_rpc_port)
+        self._zmq = zmq.Context(io_threads=1)
+        # Nothing queued while the head is away: a beat is worth sending now or never.
+        self._sock = connect_dealer(self._zmq, self.head, self.node_id.encode(), curve, immediate=True)
+        self.head_id = ""  # the head that last accepted this node
+        self.last_answer = time.monotonic()
+        self._hello = NodeHello(
+            node_id=self.node_id, node_name=socket.gethostname(), data_parallel_size=layout.size,
+            ranks=list(layout.local_ranks), addresses=[engines[r] for r in layout.local_ranks],
+            model_name=config.model_name, vocab_size=model.vocab_size, max_model_len=model.max_model_len, head_id="",
+        )
+
+    def filenos(self) -> list[int]:
+        return [self._sock.getsockopt(zmq.FD)]
+
+    def seconds_to_next(self) -> None:
+        return None
+
+    def hello(self) -> None:
+        self._hello.head_id = self.head_id
+        self._send(self._hello)
+
+    def leave(self, reason: str) -> None:
+        self._send(NodeLeaving(self.node_id, reason))
+
+    def take(self) -> list[LinkEvent]:
+        events = []
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return events
+            try:
+                answer = decode_node_message(frames)
+            except MalformedMessage as exc:
+                log.warning("ignoring a malformed answer from the head: %s", exc)
+                continue
+            self.last_answer = time.monotonic()
+            if isinstance(answer, HelloAccepted):
+                events.append(LinkEvent("accepted", answer.head_id))
+            elif isinstance(answer, HelloRefused):
+                events.append(LinkEvent("refused", answer.reason))
+
+    def _send(self, record) -> None:
+        try:
+            self._sock.send_multipart(encode_node_message(record), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected to a head now: the next beat tries again
+        # The send may take the FD's edge of an answer that came meanwhile: the event source drains on every
+        # wake, and a beat wakes it four times per interval, so an answer waits at most one beat.
+
+    def close(self) -> None:
+        self._sock.close(linger=500)  # a LEAVING just sent still goes out
+        self._zmq.term()
+
+
+def serve_headless(config: ServeConfig) -> int:
+    setproctitle("supervise: supervisor (headless)")
+    setup_logging("supervisor", config.log_level)
+    layout = layout_of(config)
+    try:
+        curve = load_keys(config.data_parallel_key_file)
+        engine_host = config.data_parallel_engine_host or engine_host_toward(
+            config.data_parallel_address, config.data_parallel_rpc_port)
+    except KeyProblem as exc:
+        print(f"supervise: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"supervise: error: no route to the head at {config.data_parallel_address}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    notifier = SystemdNotifier()
+    warn_if_unauthenticated(curve, f"engine ports on {engine_host}")
+    inbox = SignalInbox()
+    runtime_dir = tempfile.mkdtemp(prefix="supervise-")
+    config = config.replace(runtime_dir=runtime_dir)
+    events = EventSource(inbox, Timers())
+    group = ProcessGroup(config, None, events, notifier, curve=curve, engine_host=engine_host)
+    link = None
+    try:
+        try:
+            group.start_engines(link_identity=NODE_SUPERVISOR_IDENTITY)
+        except StartupFailed as exc:
+            print(f"supervise: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except StopRequested:
+            log.info("stop requested while starting")
+            return 0
+        link = HeadLink(config, layout, curve, group.engine_addresses, group.model)
+        events.links.append(link)
+        summary = (f"headless node: {layout.describe()} loaded at "
+                   f"{', '.join(group.engine_addresses[r] for r in layout.local_ranks)}; registering with {link.head}")
+        log.info("%s", summary)
+        notifier.ready(summary)
+        return _run(config, group, link, events, notifier)
+    finally:
+        notifier.stopping()
+        group.kill_all()
+        group.close()
+        if link is not None:
+            link.close()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: EventSource,
+         notifier: SystemdNotifier) -> int:
+    beat = config.engine_ping_interval / BEATS_PER_INTERVAL
+    timers = events.timers
+    timers.set(_BEAT, 0)
+    last_waiting_line = -WAITING_LOG_EVERY  # the first line as soon as the head is silent
+    while True:
+        for event in events.wait(group.engines):
+            if isinstance(event, ChildExited):
+                child = event.child
+                how = describe_exit(child.exitcode, child.kill_reason)
+                log.error("%s died (%s): this node cannot serve its ranks, going down", child.name, how)
+                link.leave(f"{child.name} died ({how})")
+                group.reap(child)
+                group.stop(drain_timeout=0)
+                return 1
+            if isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
+                log.info("stopping: telling the head, then stopping the engines")
+                link.leave("stopped")
+                graceful = group.stop(drain_timeout=0)
+                log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
+                return 0
+            if isinstance(event, LinkEvent) and event.what == "refused":
+                log.error("the head at %s refused this node: %s", link.head, event.detail)
+                print(f"supervise: error: the head at {link.head} refused this node: {event.detail}", file=sys.stderr)
+                group.stop(drain_timeout=0)
+                return 2
+            if isinstance(event, LinkEvent) and event.what == "accepted":
+                last_waiting_line = -WAITING_LOG_EVERY  # the next silence is told at once
+                if event.detail != link.head_id:
+                    _on_new_head(group, link, event.detail, notifier)
+            if isinstance(event, TimerFired) and event.key == _BEAT:
+                link.hello()
+                timers.set(_BEAT, beat)
+                notifier.watchdog_if_due()  # under systemd with WatchdogSec=: this loop is alive
+                now = time.monotonic()
+                silent = now - link.last_answer
+                if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY:
+                    last_waiting_line = now
+                    log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it",
+                                link.head, silent)
+                    notifier.status("waiting for the head")
+
+
+def _on_new_head(group: ProcessGroup, link: HeadLink, head_id: str, notifier: SystemdNotifier) -> None:
+    if link.head_id:
+        log.info("registered with a new head at %s: aborting the old head's unfinished requests", link.head)
+        group.engine_link.abort_every_client()
+    else:
+        log.info("registered with the head at %s", link.head)
+    link.head_id = head_id
+    notifier.status(f"registered with the head at {link.head}")

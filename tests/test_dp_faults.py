@@ -1,0 +1,171 @@
+"""Faults across machines, each as an operator meets it: a node that does not fit is refused with one line on
+both sides; a node that dies under load is noticed within the ping interval and its requests end with a clear
+error; with --on-engine-failure restart the head serves on and takes the rank back; a head that restarts finds
+the node's engines still loaded."""
+import signal
+import time
+import uuid
+
+import httpx
+import psutil
+import zmq
+
+from ipc.registration import NodeHello, decode_node_message, encode_node_message
+from tests.dp_support import (SIM_MODEL, complete, deployment, dp_args, free_port, served_by_rank,  # noqa: F401
+                              wait_for)
+from tests.load import BackgroundLoad
+from tests.supervise_process import wait_gone
+
+
+def node_args(rpc: int, *extra: str, size: int = 2, model: str = SIM_MODEL) -> list[str]:
+    return dp_args(size, rpc, "--data-parallel-start-rank", "1", *extra, model=model)
+
+
+def raw_hello(rpc: int, **fields) -> object:
+    """What the head answers a hand-made HELLO (a buggy or hostile node)."""
+    hello = dict(node_id=uuid.uuid4().hex, node_name="raw", data_parallel_size=2, ranks=[1],
+                 addresses=["tcp://127.0.0.1:9"], model_name=SIM_MODEL, vocab_size=49152, max_model_len=8192,
+                 head_id="")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{rpc}")
+        sock.send_multipart(encode_node_message(NodeHello(**{**hello, **fields})))
+        assert sock.poll(5000), "the head did not answer"
+        return decode_node_message(sock.recv_multipart())
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_nodes_that_do_not_fit_are_refused_with_one_line_on_both_sides(deployment):
+    rpc = free_port()
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), wait=False)
+    for args, reason in [
+        (node_args(rpc, size=3), "the node says --data-parallel-size 3, the head's is 2"),
+        (node_args(rpc, model="sim:7"), "the node serves model 'sim:7', the head serves 'sim:10'"),
+    ]:
+        node = deployment.node(*args, wait=False)
+        assert node.wait_exit(60) == 2
+        assert f"supervise: error: the head at tcp://127.0.0.1:{rpc} refused this node: {reason}" in node.log()
+        assert head.log().count(f"): {reason}") == 1, head.log()
+    deployment.node(*node_args(rpc))
+    head.wait_serving()
+    twin = deployment.node(*node_args(rpc), wait=False)  # rank 1 again, while the first node holds it
+    assert twin.wait_exit(60) == 2
+    assert "refused this node: rank 1 is already registered by node" in twin.log()
+
+    assert "rank 5 is out of range: --data-parallel-size 2 has ranks 0-1" in raw_hello(rpc, ranks=[5]).reason
+    assert "rank 0 is one of the head's own ranks" in raw_hello(rpc, ranks=[0]).reason
+    # Malformed messages on the registration port: dropped with a line, the head serves on.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{rpc}")
+    for frames in ([b"H", b"{not json"], [b"H", b'{"node_id": 5}'], [b"Z", b"{}"], [b"x"] * 5, [b"H", b"[1,2]"]):
+        sock.send_multipart(frames)
+    sock.close(500)
+    ctx.term()
+    wait_for(lambda: head.log().count("ignoring a malformed message on the registration port") >= 5, 10,
+             "the malformed messages to be dropped", head)
+    assert complete(head.url).status_code == 200 and head.proc.poll() is None
+
+
+def test_a_node_killed_under_load_is_noticed_within_the_ping_interval_and_the_head_goes_down(deployment):
+    rpc = free_port()
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), wait=False)
+    node = deployment.node(*node_args(rpc))
+    head.wait_serving()
+    engines = node.children()
+    with BackgroundLoad(head.url, SIM_MODEL, clients=4, max_tokens=100) as load:
+        load.wait_for(4)
+        killed_at = time.monotonic()
+        node.proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: "rank 1 lost" in head.log(), 10, "the head to notice", head)
+        noticed = time.monotonic() - killed_at
+        assert head.wait_exit(30) == 1
+    assert noticed <= 1.0 + 0.5, noticed  # --engine-ping-interval 1, plus this test's polling and a busy machine
+    assert "no heartbeat from node" in head.log() and "an engine core is gone: taking the group down" in head.log()
+    # The requests on the lost rank ended with an error that says why, none hung; then the group went down (503
+    # on open connections, then connections refused); the node's engines went with their supervisor.
+    said_why = [f for f in load.failures if "engine core DP1: its node stopped sending heartbeats" in f]
+    assert said_why, load.failures
+    going_down = ("ConnectError", "503 ")
+    assert all(f in said_why or f.startswith(going_down) for f in load.failures), load.failures
+    assert not wait_gone(engines, 10)
+
+
+def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
+    rpc = free_port()
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", "--api-server-count", "2",
+                                    "--on-engine-failure", "restart"), wait=False)
+    node = deployment.node(*node_args(rpc))
+    head.wait_serving()
+    pinned = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30, headers={"X-data-parallel-rank": "0"})
+    anywhere = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30)
+    with pinned, anywhere:
+        anywhere.wait_for(4)
+        node.proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: "serving on ranks 0 until rank 1 registers again" in head.log(), 10, "the loss", head)
+        r = complete(head.url, {"X-data-parallel-rank": "1"})
+        assert r.status_code == 503 and "rank 1 is down" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{head.url}/health", timeout=5).status_code == 200  # it still serves
+        ranks = httpx.get(f"{head.url}/load", timeout=5).json()["engines"]
+        assert [(e["rank"], e["up"]) for e in ranks] == [(0, True), (1, False)]
+        served = anywhere.ok
+        wait_for(lambda: anywhere.ok >= served + 6, 30, "requests to go on on rank 0", head)
+
+        deployment.node(*node_args(rpc))  # a new node (systemd restarted it) registers rank 1 again
+        wait_for(lambda: "rank 1 is back" in head.log() and "rolling restart done" in head.log(), 60,
+                 "the rank to be taken back", head)
+        back = complete(head.url, {"X-data-parallel-rank": "1"})
+        assert back.status_code == 200, back.text
+        anywhere_failed = len(anywhere.failures)
+        served = anywhere.ok
+        wait_for(lambda: anywhere.ok >= served + 6, 30, "requests on both ranks", head)
+    assert pinned.failures == [] and pinned.ok > 0  # no request on the live rank failed
+    assert len(anywhere.failures) == anywhere_failed  # none after the rank came back
+    assert not any("Timeout" in f for f in anywhere.failures), anywhere.failures
+    assert head.proc.poll() is None
+
+
+def test_a_restarted_head_finds_the_node_loaded_and_a_node_without_head_waits_and_stops_cleanly(deployment):
+    rpc = free_port()
+    first = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), wait=False)
+    node = deployment.node(*node_args(rpc))
+    first.wait_serving()
+    engine_pid = node.engine_pids()[1]
+    orphan = httpx.Client(timeout=30)  # a long stream on rank 1, left running when its head dies
+    stream = orphan.stream("POST", f"{first.url}/v1/completions", headers={"X-data-parallel-rank": "1"},
+                           json={"model": SIM_MODEL, "prompt": "x", "max_tokens": 5000, "ignore_eos": True,
+                                 "stream": True})
+    assert stream.__enter__().status_code == 200
+    for process in [psutil.Process(first.pid), *first.children()]:  # the head dies: nobody aborts the stream
+        process.kill()
+    orphan.close()
+    wait_for(lambda: "no answer from the head" in node.log(), 15, "the node to notice", node)
+
+    second = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), env={"SUPERVISE_DEV_MODE": "1"})
+    wait_for(lambda: "registered with a new head" in node.log(), 15, "the node to register again", node)
+    assert "registers again after a head restart: its engines kept their model" in second.log()
+    assert node.engine_pids() == {1: engine_pid}  # the same engine process: the model was not loaded again
+    # The dead head's stream was aborted on the node's engine when the node found the new head.
+    engine = wait_for(lambda: _rank_stats(second.url, 1, lambda e: e["num_running"] == 0), 15, "the abort", node)
+    assert engine["num_aborted"] >= 1
+    before = served_by_rank(second.url)[1]
+    assert complete(second.url, {"X-data-parallel-rank": "1"}).status_code == 200
+    assert served_by_rank(second.url)[1] == before + 1
+
+    second.proc.send_signal(signal.SIGKILL)  # the head dies for good: the node waits, logging, until told to stop
+    for child in second.children():
+        child.kill()
+    waiting = node.log().count("no answer from the head")
+    wait_for(lambda: node.log().count("no answer from the head") > waiting, 15, "the node to wait", node)
+    engines = node.children()
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit(30) == 0
+    assert not wait_gone(engines, 5)
+
+
+def _rank_stats(url: str, rank: int, ok) -> dict | None:
+    engine = httpx.get(f"{url}/server_info", timeout=5).json()["engines"][rank]
+    return engine if ok(engine) else None

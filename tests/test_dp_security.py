@@ -1,0 +1,168 @@
+"""The engine and registration ports on TCP admit only holders of the deployment's key (ZMQ CURVE): a client
+without it gets nothing through, well-formed or not, and the engine serves on. Without a key, the ports listen
+only where they were told to, and the operator is warned once."""
+import os
+import socket
+import subprocess
+import time
+import uuid
+
+import httpx
+import psutil
+import zmq
+from zmq.utils import z85
+
+from ipc.codec import decode, encode
+from ipc.curve import CurveKeys, load_keys
+from ipc.messages import EngineRequest, UtilityCall
+from ipc.registration import NodeHello, encode_node_message
+from ipc.sampling import SamplingParams
+from tests.dp_support import SIM_MODEL, complete, deployment, dp_args, free_port, key_file  # noqa: F401
+from tests.supervise_process import SUPERVISE
+
+
+def _hostile_frames() -> list[list[bytes]]:
+    add = encode(EngineRequest("stolen", [1, 2, 3], SamplingParams(max_tokens=5)))
+    return [add, encode(UtilityCall(1, "ping")), encode(UtilityCall(2, "abort_client", ["api-0"])),
+            [b"A", b"{not json"], [b"\xff"] * 7, [b""], [os.urandom(2000)]]
+
+
+def _answers(address: str, configure) -> list:
+    """Every message a DEALER set up by `configure` gets back within 2 s for the hostile frames."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"api-0")  # even posing as a real API server's identity
+    configure(sock)
+    sock.connect(address)
+    for frames in _hostile_frames():
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    answers = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            answers.append(sock.recv_multipart())
+    sock.close(0)
+    ctx.term()
+    return answers
+
+
+def test_a_client_without_the_key_cannot_submit_or_crash_an_engine(deployment, key_file):
+    rpc = free_port()
+    key = ["--data-parallel-key-file", key_file]
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", *key), wait=False,
+                           env={"SUPERVISE_DEV_MODE": "1"})
+    node = deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1", *key))
+    head.wait_serving()
+    address = httpx.get(f"{head.url}/load", timeout=10).json()["engines"][1]["address"]
+    engine_pid = node.engine_pids()[1]
+    keys = load_keys(key_file)
+
+    # No CURVE at all; CURVE knowing the engine's public key (as if it leaked) but with a key pair of its own.
+    assert _answers(address, lambda sock: None) == []
+    own_public, own_secret = zmq.curve_keypair()
+
+    def other_key(sock):
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, own_public, own_secret
+
+    assert _answers(address, other_key) == []
+    # Raw bytes at the TCP port: a ZMTP greeting gone wrong, then noise.
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00CURVE" + os.urandom(4096))
+        time.sleep(0.2)
+    # Nor can such a client register a rank with the head.
+    hello = NodeHello(uuid.uuid4().hex, "intruder", 2, [1], ["tcp://127.0.0.1:9"], SIM_MODEL, 49152, 8192, "")
+    assert _answers(f"tcp://127.0.0.1:{rpc}", lambda sock: None) == []
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    other_key(sock)
+    sock.connect(f"tcp://127.0.0.1:{rpc}")
+    sock.send_multipart(encode_node_message(hello))
+    assert not sock.poll(2000)
+    sock.close(0)
+    ctx.term()
+
+    # The engine lives on, took nothing from them, and serves the head as before.
+    assert psutil.Process(engine_pid).is_running() and node.engine_pids() == {1: engine_pid}
+    assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
+    stats = httpx.get(f"{head.url}/server_info", timeout=10).json()["engines"][1]
+    assert (stats["num_finished"], stats["num_requests"]) == (1, 0), stats  # the pinned one alone: "stolen" never came
+    assert "refused a connection from" in node.log() and "does not hold the data-parallel key" in node.log()
+    assert "intruder" not in head.log()
+
+
+def test_a_keyholder_s_malformed_frames_are_dropped_and_the_engine_serves_on(deployment, key_file):
+    rpc = free_port()
+    key = ["--data-parallel-key-file", key_file]
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", *key), wait=False)
+    node = deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1", *key))
+    head.wait_serving()
+    address = httpx.get(f"{head.url}/load", timeout=10).json()["engines"][1]["address"]
+    keys: CurveKeys = load_keys(key_file)
+
+    def holder(sock):
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
+
+    # Frames of no record, then records whose fields have the wrong types: each dropped when it is decoded.
+    frames = [[b"A", b"{not json"], [b"\xff"] * 7, [b"Q", b"{}"], [b"U", b"[1, 2]"],
+              [b"X", b'{"request_ids": 5}'], [b"X", b'{"request_ids": ["a"], "indices": ["b"]}'],
+              [b"A", b'{"request_id": 5, "prompt_token_ids": [1], "sampling": {}}'],
+              [b"A", b'{"request_id": "x", "prompt_token_ids": ["a"], "sampling": {"n": 2}}'],
+              [b"A", b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"max_tokens": "many"}}'],
+              [b"U", b'{"call_id": "1", "method": "ping"}']]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    holder(sock)
+    sock.connect(address)
+    for f in frames:
+        sock.send_multipart(f)
+    sock.send_multipart(encode(UtilityCall(7, "ping")))  # answered: the connection itself works
+    answers = []
+    while not answers or answers[-1][0] != b"R":
+        assert sock.poll(5000), answers
+        answers.append(sock.recv_multipart())
+    # The ADDs whose id could be read are answered with an error output per choice, so no sender waits for them.
+    errors = [out for frames in answers[:-1] for out in decode(frames).outputs]
+    assert [(out.request_id, out.finish_reason) for out in errors] == [("x", "error")] * 3, errors  # n=2, then 1
+    sock.close(0)
+    ctx.term()
+    assert node.log().count("malformed message") == len(frames)
+    assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
+
+
+def test_keys_that_cannot_be_used_are_refused_in_one_line(tmp_path):
+    short = tmp_path / "short.key"
+    short.write_text("too short")
+    short.chmod(0o600)
+    for args, env, line in [
+        (["--data-parallel-key-file", str(tmp_path / "missing.key")], {},
+         f"cannot read --data-parallel-key-file {tmp_path / 'missing.key'}: No such file or directory"),
+        (["--data-parallel-key-file", str(short)], {}, "the data-parallel key has 9 characters, at least 32"),
+        ([], {"SUPERVISE_DATA_PARALLEL_KEY": "x" * 31}, "the data-parallel key has 31 characters"),
+    ]:
+        for mode in ([], ["--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1"]):
+            result = subprocess.run([SUPERVISE, "--model", "sim:1", "--port", "0", *mode, *args], timeout=60,
+                                    capture_output=True, text=True, env={**os.environ, **env})
+            assert result.returncode == 2 and line in result.stderr, result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_key_file_others_can_read_is_warned_about(tmp_path):
+    path = tmp_path / "open.key"
+    path.write_text("k" * 40)
+    path.chmod(0o644)
+    result = subprocess.run([SUPERVISE, "--model", "sim:1", "--data-parallel-key-file", str(path), "--port", "0",
+                             "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                             "--engine-ready-timeout", "1"], timeout=60, capture_output=True, text=True)
+    assert f"{path} can be read by other users: chmod 600 it" in result.stderr
+
+
+def test_a_key_is_derived_the_same_on_every_node(key_file):
+    text = open(key_file).read()
+    assert CurveKeys.from_secret_text(text) == CurveKeys.from_secret_text(text.strip() + "\n\n")
+    assert z85.decode(CurveKeys.from_secret_text(text).public) != z85.decode(CurveKeys.from_secret_text(text + "x").public)
+    keys = load_keys(key_file)
+    assert keys.secret.decode() not in repr(keys) and text.strip() not in repr(keys)
