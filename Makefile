@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: setup gateway serve test bench clean
+.PHONY: setup gateway serve lint test bench clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,12 @@ gateway: $(GATEWAY_STAMP)
 serve: setup
 	$(VENV)/bin/supervise --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup gateway
+# ruff over the tree, mypy over the packages (strict for ipc/); settings in pyproject.toml.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy supervisor apiserver enginecore ipc
+
+test: setup gateway lint
 	$(PY) -m pytest -q tests
 
 clean:

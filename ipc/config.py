@@ -5,6 +5,7 @@ It is a frozen dataclass so it pickles into `spawn`ed children unchanged and nob
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -89,7 +90,7 @@ class ServeConfig:
     # Filled in by the supervisor at start-up, not by the user.
     runtime_dir: str = ""
 
-    def replace(self, **changes) -> "ServeConfig":
+    def replace(self, **changes: Any) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
 
     @property

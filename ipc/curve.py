@@ -22,6 +22,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -67,9 +68,9 @@ def load_keys(key_file: str | None) -> CurveKeys | None:
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning("%s can be read by other users: chmod 600 it", key_file)
         return CurveKeys.from_secret_text(text)
-    text = os.environ.get(KEY_ENV)
-    if text:
-        return CurveKeys.from_secret_text(text)
+    env_text = os.environ.get(KEY_ENV)
+    if env_text:
+        return CurveKeys.from_secret_text(env_text)
     return None
 
 
@@ -80,7 +81,7 @@ def warn_if_unauthenticated(keys: CurveKeys | None, what: str) -> None:
                     "it; it listens only on the address given", what, KEY_ENV)
 
 
-def secure_server(ctx: zmq.Context, sock: zmq.Socket, keys: CurveKeys) -> None:
+def secure_server(ctx: zmq.Context[zmq.Socket[Any]], sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     """Make `sock` (before it binds) a CURVE server that admits only holders of `keys`."""
     start_zap_handler(ctx, keys)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -88,7 +89,7 @@ def secure_server(ctx: zmq.Context, sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.setsockopt(zmq.ZAP_DOMAIN, b"supervise")
 
 
-def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     """Make `sock` (before it connects) a CURVE client of a server that holds `keys`, proving it holds them too."""
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
@@ -99,7 +100,7 @@ _handlers: dict[int, threading.Thread] = {}  # id(context) -> its ZAP thread
 _handlers_lock = threading.Lock()
 
 
-def start_zap_handler(ctx: zmq.Context, keys: CurveKeys) -> None:
+def start_zap_handler(ctx: zmq.Context[zmq.Socket[Any]], keys: CurveKeys) -> None:
     """Once per context: the thread that answers libzmq's authentication requests."""
     with _handlers_lock:
         thread = _handlers.get(id(ctx))
@@ -113,7 +114,7 @@ def start_zap_handler(ctx: zmq.Context, keys: CurveKeys) -> None:
         _handlers[id(ctx)] = thread
 
 
-def _answer_zap(zap: zmq.Socket, allowed_key: bytes) -> None:
+def _answer_zap(zap: zmq.Socket[Any], allowed_key: bytes) -> None:
     refused_from: set[str] = set()  # one log line per peer address, not one per reconnect attempt
     try:
         while True:

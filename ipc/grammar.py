@@ -13,6 +13,11 @@ pass over the vocabulary per grammar) and computes a mask in microseconds on the
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+    from llguidance._lib import JsonCompileOptions
 
 # Everything between the start of the output and the end of the reasoning: the shortest text that ends with the
 # tag (a lazy lexeme stops at the first match).
@@ -23,13 +28,13 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message says what is wrong with it."""
 
 
-def _llguidance():
-    import llguidance  # here, not at the top: a process that never constrains an output never loads it
+def _matcher() -> type[LLMatcher]:
+    from llguidance import LLMatcher  # here, not at the top: a process that never constrains an output never loads it
 
-    return llguidance
+    return LLMatcher
 
 
-def json_schema_grammar(schema: dict, any_whitespace: bool = True) -> str:
+def json_schema_grammar(schema: dict[str, Any], any_whitespace: bool = True) -> str:
     """Output that is one JSON value valid against `schema`. Objects whose schema lists properties and says nothing
     of others get none beyond them (what xgrammar, vLLM's default backend, does, and OpenAI's strict mode asks):
     still valid against the schema, and a small model does not wander off into keys of its own. any_whitespace
@@ -37,9 +42,9 @@ def json_schema_grammar(schema: dict, any_whitespace: bool = True) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
     schema = closed_objects(schema)
-    options = None if any_whitespace else {"whitespace_flexible": False}
+    options: JsonCompileOptions | None = None if any_whitespace else {"whitespace_flexible": False}
     try:
-        return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+        return _matcher().grammar_from_json_schema(json.dumps(schema), overrides=options)
     except (ValueError, TypeError, RecursionError) as exc:  # whatever the client sent, a 400, never a 500
         raise GrammarError(str(exc) or type(exc).__name__) from None
 
@@ -49,24 +54,26 @@ def json_object_grammar(any_whitespace: bool = True) -> str:
 
 
 def regex_grammar(pattern: str) -> str:
-    return _llguidance().LLMatcher.grammar_from_regex(pattern)
+    return _matcher().grammar_from_regex(pattern)
 
 
 def choice_grammar(choices: list[str]) -> str:
     if not choices:
         raise GrammarError("the list of choices is empty")
-    return _llguidance().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return _matcher().grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
 def lark_grammar(text: str) -> str:
     """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's, what vLLM's `grammar` takes)."""
     try:
-        return _llguidance().grammar_from("grammar", text)
+        from llguidance import grammar_from  # lazily, as in _matcher
+
+        return grammar_from("grammar", text)
     except (ValueError, TypeError, RecursionError) as exc:  # the GBNF converter is Python: it may raise anything
         raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
-def from_constraint(kind: str, value, any_whitespace: bool = True) -> str:
+def from_constraint(kind: str, value: Any, any_whitespace: bool = True) -> str:
     """The grammar of one constraint by its name, as the API's extras (and the gRPC protocol's constraints) name
     them: `json` (a schema, as an object or its JSON text), `json_object`, `regex`, `choice` (a list of strings),
     `grammar` (Lark or GBNF). GrammarError for anything that cannot be one."""
@@ -106,16 +113,16 @@ def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
 def check(grammar: str) -> None:
     """GrammarError naming the problem, unless `grammar` compiles. Needs no tokenizer: cheap (a millisecond or
     so for a schema of a few properties)."""
-    llguidance = _llguidance()
+    matcher = _matcher()
     try:
-        error = llguidance.LLMatcher.validate_grammar(grammar)
+        error = matcher.validate_grammar(grammar)
     except (ValueError, TypeError) as exc:
         error = str(exc) or type(exc).__name__
     if error:
         raise GrammarError(error.strip())
 
 
-def closed_objects(schema):
+def closed_objects(schema: Any) -> Any:
     """A copy of `schema` where every object schema that lists properties and says nothing of others gets
     additionalProperties false, through every keyword that holds schemas."""
     if not isinstance(schema, dict):

@@ -7,6 +7,7 @@ ENGINE_DEAD. The engine works in token ids only; text lives in the API servers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 from ipc.sampling import SamplingParams
 from ipc.typecheck import checked
@@ -16,7 +17,7 @@ class Record:
     """A message body: a dataclass whose fields orjson writes as a dict; from_dict rebuilds it."""
 
     @classmethod
-    def from_dict(cls, d: dict):
+    def from_dict(cls, d: dict[str, Any]) -> Self:
         return cls(**d)
 
 
@@ -25,7 +26,7 @@ class CheckedRecord(Record):
     (ipc/typecheck.py) before the engine reads it, so a malformed one is dropped, never raised in a step."""
 
     @classmethod
-    def from_dict(cls, d: dict):
+    def from_dict(cls, d: dict[str, Any]) -> Self:
         return checked(cls, d)
 
 
@@ -55,7 +56,7 @@ class EngineRequest(CheckedRecord):
     priority: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineRequest":
+    def from_dict(cls, d: dict[str, Any]) -> Self:
         if isinstance(d, dict) and "sampling" in d:
             d["sampling"] = checked(SamplingParams, d["sampling"])
         return checked(cls, d)
@@ -78,7 +79,7 @@ class UtilityCall(CheckedRecord):
 
     call_id: int
     method: str
-    args: list = field(default_factory=list)
+    args: list[Any] = field(default_factory=list)
 
 
 
@@ -102,10 +103,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # One entry per new token: [sampled token's logprob, [[token_id, logprob], ...top]]
-    logprobs: list | None = None
+    logprobs: list[Any] | None = None
     # Once per sequence, with its first output token (choice 0 only when n > 1): one entry per prompt token from
     # the second on, in the same shape as `logprobs`.
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[Any] | None = None
     error: str | None = None  # why, when finish_reason is FinishReason.ERROR
 
     @property
@@ -122,7 +123,7 @@ class EngineOutputs(Record):
     kv_cache_usage: float = 0.0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineOutputs":
+    def from_dict(cls, d: dict[str, Any]) -> Self:
         d["outputs"] = [RequestOutput(**o) for o in d["outputs"]]
         return cls(**d)
 
@@ -133,7 +134,7 @@ class EngineDead(Record):
 
 
 
-RECORD_OF_KIND = {
+RECORD_OF_KIND: dict[bytes, type[Record]] = {
     Kind.ADD: EngineRequest,
     Kind.ABORT: AbortRequests,
     Kind.UTILITY: UtilityCall,

@@ -3,6 +3,7 @@ supervisor hands on to every API server: where the tokenizer lives and the limit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, ...).
-    generation_defaults: dict = field(default_factory=dict)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     dtype: str = "float32"
     num_kv_blocks: int = 0

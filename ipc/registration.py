@@ -14,9 +14,10 @@ over 64 KiB, which bounds the lists and strings in them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ipc.codec import MalformedMessage, decode, encode
-from ipc.messages import CheckedRecord
+from ipc.messages import CheckedRecord, Record
 
 
 @dataclass
@@ -48,15 +49,15 @@ class HelloRefused(CheckedRecord):
     reason: str
 
 
-_KIND_OF = {NodeHello: b"H", NodeLeaving: b"L", HelloAccepted: b"A", HelloRefused: b"F"}
+_KIND_OF: dict[type[Record], bytes] = {NodeHello: b"H", NodeLeaving: b"L", HelloAccepted: b"A", HelloRefused: b"F"}
 _RECORD_OF = {kind: record for record, kind in _KIND_OF.items()}
 
 
-def encode_node_message(record) -> list[bytes]:
+def encode_node_message(record: Record) -> list[bytes]:
     return encode(record, _KIND_OF)
 
 
-def decode_node_message(frames: list[bytes]):
+def decode_node_message(frames: list[bytes]) -> Any:
     """The record in `frames`; MalformedMessage for anything that is not one of this contract's, well typed."""
     return decode(frames, _RECORD_OF)
 

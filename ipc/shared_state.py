@@ -44,9 +44,11 @@ class GroupState:
         self._shm = shm
         self._owner = owner
         self.name = shm.name
+        buf = shm.buf
+        assert buf is not None  # None only once closed
         # Typed views over the same bytes: one int64 view and one float64 view.
-        self._ints = shm.buf.cast("q")
-        self._floats = shm.buf.cast("d")
+        self._ints = buf.cast("q")
+        self._floats = buf.cast("d")
         # Atomic cells for the admission counters, bound once per slot (the bounds checks happen here).
         self._atomics = atomicshm.AtomicView(shm.buf)
         self._admitted_requests = [self._cell(slot, _ADMITTED_REQUESTS) for slot in range(MAX_SLOTS)]
@@ -55,6 +57,7 @@ class GroupState:
     @classmethod
     def create(cls) -> "GroupState":
         shm = shared_memory.SharedMemory(create=True, size=SIZE)
+        assert shm.buf is not None  # None only once closed
         shm.buf[:SIZE] = bytes(SIZE)
         return cls(shm, owner=True)
 

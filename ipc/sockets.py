@@ -9,6 +9,7 @@ a powered-off machine) is dropped and retried within seconds instead of hanging 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import zmq
 
@@ -48,13 +49,13 @@ def is_tcp(address: str) -> bool:
     return address.startswith("tcp://")
 
 
-def bound_address(sock: zmq.Socket) -> str:
+def bound_address(sock: zmq.Socket[Any]) -> str:
     """The address a socket really bound (the port ZMQ chose for `*`)."""
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock.get_string(zmq.LAST_ENDPOINT)
 
 
-def bind_router(ctx: zmq.Context, address: str, curve: CurveKeys | None = None,
-                max_message_bytes: int = -1) -> zmq.Socket:
+def bind_router(ctx: zmq.Context[zmq.Socket[Any]], address: str, curve: CurveKeys | None = None,
+                max_message_bytes: int = -1) -> zmq.Socket[Any]:
     """`curve`: the deployment's key, used on TCP (ipc:// is guarded by its directory's permissions);
     `max_message_bytes`: a peer that sends a larger message is disconnected (-1: no limit)."""
     sock = ctx.socket(zmq.ROUTER)
@@ -69,8 +70,8 @@ def bind_router(ctx: zmq.Context, address: str, curve: CurveKeys | None = None,
     return sock
 
 
-def connect_dealer(ctx: zmq.Context, address: str, identity: bytes, curve: CurveKeys | None = None,
-                   immediate: bool = False) -> zmq.Socket:
+def connect_dealer(ctx: zmq.Context[zmq.Socket[Any]], address: str, identity: bytes, curve: CurveKeys | None = None,
+                   immediate: bool = False) -> zmq.Socket[Any]:
     """`immediate`: queue nothing while not connected (a send then raises zmq.Again), for messages that are
     only worth sending now, never later (a headless node's heartbeat)."""
     sock = ctx.socket(zmq.DEALER)
@@ -84,7 +85,7 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes, curve: Curve
     return sock
 
 
-def _secure(ctx: zmq.Context, sock: zmq.Socket, address: str, curve: CurveKeys | None, server: bool) -> None:
+def _secure(ctx: zmq.Context[zmq.Socket[Any]], sock: zmq.Socket[Any], address: str, curve: CurveKeys | None, server: bool) -> None:
     if not is_tcp(address):
         return
     if address.startswith("tcp://["):

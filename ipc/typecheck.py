@@ -12,12 +12,15 @@ import dataclasses
 import types
 import typing
 from functools import cache
+from typing import Any, TypeVar
 
 INT64 = (-(2**63), 2**64)  # seeds are unsigned 64-bit, everything else fits a signed one
 
+T = TypeVar("T")
+
 
 @cache
-def _fields(cls) -> dict[str, tuple[object, bool]]:
+def _fields(cls: type[Any]) -> dict[str, tuple[object, bool]]:
     """name -> (type hint, required) of a dataclass."""
     hints = typing.get_type_hints(cls)
     return {
@@ -26,10 +29,10 @@ def _fields(cls) -> dict[str, tuple[object, bool]]:
     }
 
 
-def checked(cls, d):
+def checked(cls: type[T], d: object) -> T:
     if not isinstance(d, dict):
         raise TypeError(f"{cls.__name__} must be an object")
-    fields = _fields(cls)
+    fields = _fields(cls)  # type: ignore[arg-type]  # a class is hashable; mypy does not see it for type[T]
     unknown = set(d) - set(fields)
     if unknown:
         raise TypeError(f"unknown fields {sorted(unknown)}")
@@ -43,7 +46,7 @@ def checked(cls, d):
     return cls(**d)
 
 
-def matches(value, hint) -> bool:
+def matches(value: object, hint: object) -> bool:
     if hint is object or hint is typing.Any:
         return True
     origin = typing.get_origin(hint)

@@ -21,7 +21,7 @@ def _list_option(click_context, param, value):
         try:
             items = json.loads(text)
         except ValueError as exc:
-            raise click.BadParameter(f"not a JSON list: {exc}")
+            raise click.BadParameter(f"not a JSON list: {exc}") from exc
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
             raise click.BadParameter("expected a JSON list of strings")
         return tuple(items)
@@ -44,7 +44,7 @@ def _chat_template(click_context, param, value):
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as exc:
-        raise click.BadParameter(f"not a valid Jinja template: {exc.message} (line {exc.lineno})")
+        raise click.BadParameter(f"not a valid Jinja template: {exc.message} (line {exc.lineno})") from exc
     return text
 
 

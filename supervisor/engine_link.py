@@ -41,7 +41,7 @@ class EngineLink:
         self._calls: dict[int, tuple[int, str, bool]] = {}  # call id -> (rank, identity whose work it aborts, quiet)
 
     def filenos(self) -> list[int]:
-        return [sock.getsockopt(zmq.FD) for sock in self._sockets.values()]
+        return [sock.fileno() for sock in self._sockets.values()]
 
     def reconnect(self, rank: int, address: str) -> None:
         """Engine `rank` listens at a new address (its node registered again)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from supervisor.children import Child
+from supervisor.engine_link import EngineLink
 from supervisor.signals import SignalInbox
 
 
@@ -103,7 +104,7 @@ class EventSource:
     def __init__(self, inbox: SignalInbox, timers: Timers):
         self.inbox = inbox
         self.timers = timers
-        self.engine_link = None  # supervisor.engine_link.EngineLink, once the engines serve
+        self.engine_link: EngineLink | None = None  # once the engines serve
         # Data-parallel links: objects with filenos(), take() -> [Event], seconds_to_next() -> float | None.
         self.links: list = []
 
@@ -118,7 +119,8 @@ class EventSource:
         for next_due in (self.timers.seconds_to_next(), *(link.seconds_to_next() for link in self.links)):
             if next_due is not None:
                 timeout = next_due if timeout is None else min(timeout, next_due)
-        woke = wait([*sentinels, *pipes, self.inbox, *link_fds], timeout=timeout)
+        # wait() takes any object with fileno(); typeshed names only connections, sockets and ints.
+        woke = wait([*sentinels, *pipes, self.inbox, *link_fds], timeout=timeout)  # type: ignore[list-item]
         events: list[Event] = []
         for conn in woke:
             if conn in pipes:

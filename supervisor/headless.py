@@ -65,7 +65,7 @@ class HeadLink:
         )
 
     def filenos(self) -> list[int]:
-        return [self._sock.getsockopt(zmq.FD)]
+        return [self._sock.fileno()]
 
     def seconds_to_next(self) -> None:
         return None
@@ -78,7 +78,7 @@ class HeadLink:
         self._send(NodeLeaving(self.node_id, reason))
 
     def take(self) -> list[LinkEvent]:
-        events = []
+        events: list[LinkEvent] = []
         while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -140,6 +140,7 @@ def serve_headless(config: ServeConfig) -> int:
         except StopRequested:
             log.info("stop requested while starting")
             return 0
+        assert group.model is not None  # set by start_engines
         link = HeadLink(config, layout, curve, group.engine_addresses, group.model)
         events.links.append(link)
         summary = (f"headless node: {layout.describe()} loaded at "
@@ -203,6 +204,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
 def _on_new_head(group: ProcessGroup, link: HeadLink, head_id: str, notifier: SystemdNotifier) -> None:
     if link.head_id:
         log.info("registered with a new head at %s: aborting the old head's unfinished requests", link.head)
+        assert group.engine_link is not None  # registering needs the engines serving
         group.engine_link.abort_every_client()
     else:
         log.info("registered with the head at %s", link.head)

@@ -63,7 +63,7 @@ class Registry:
 
     # For the event source.
     def filenos(self) -> list[int]:
-        return [self._sock.getsockopt(zmq.FD)]
+        return [self._sock.fileno()]
 
     def seconds_to_next(self) -> float | None:
         if not self.ranks:

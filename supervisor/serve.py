@@ -5,6 +5,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from typing import Literal
 
 from setproctitle import setproctitle
 
@@ -79,7 +80,7 @@ def serve(config: ServeConfig) -> int:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve) -> int | Outcome:
+def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve) -> int | Literal[Outcome.RESTART_GROUP]:
     timers = Timers()
     events = EventSource(inbox, timers)
     if registry is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ipc.model_info import EngineFailed
 from supervisor.children import Child
@@ -30,12 +31,12 @@ class StopRequested(Exception):
 def wait_until_ready(
     events: EventSource, children: list[Child], timeout: float, timeout_option: str, notifier: SystemdNotifier,
     what: str, remote: dict[int, str | None] | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Each child's READY record, by child name. Raises StartupFailed (naming `timeout_option` when the time is
     up) or StopRequested. `remote`: rank -> engine address (None until registered) of the ranks headless nodes
     register, filled in as they do; waited for with the same deadline (their nodes load the model too)."""
     started = time.monotonic()
-    pending = {c.name: c for c in children}
+    pending: dict[str, Child | None] = {c.name: c for c in children}  # None: a remote rank's engine
     remote = {} if remote is None else remote
     pending.update({_remote_name(r): None for r, address in remote.items() if address is None})
     records: dict[str, object] = {}

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 
 from tests.load import BackgroundLoad
 from tests.supervise_process import Supervise, title_of, wait_gone

@@ -128,7 +128,7 @@ def test_data_parallel_ranks_are_pinned_by_field_or_metadata_and_reported_by_get
                        "--metrics-port", "0") as server:
         stub = server.stub()
         assert sent_to_ranks(server) == [0, 0]
-        for rank, field, metadata in ((1, 1, ()), (1, None, (("x-data-parallel-rank", "1"),)), (0, 0, ())):
+        for _rank, field, metadata in ((1, 1, ()), (1, None, (("x-data-parallel-rank", "1"),)), (0, 0, ())):
             request = generate_request([5, 6, 7], max_tokens=3)
             if field is not None:
                 request.data_parallel_rank = field

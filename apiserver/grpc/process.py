@@ -17,6 +17,8 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 import uvloop
@@ -38,6 +40,15 @@ from ipc.logs import setup_logging
 from ipc.shared_state import GroupState
 
 log = logging.getLogger("apiserver")
+# The loop holds only weak references to tasks: these keep the fire-and-forget ones alive until they finish.
+_background: set[asyncio.Future[None]] = set()
+
+
+def _in_background(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
 
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 1),  # the group's servers share the port (grpcio's default, stated)
@@ -126,7 +137,7 @@ class _StopRequests:
     def _on_signal(self) -> None:
         if self._event.is_set():
             log.warning("second stop signal: cancelling the calls still running")
-            asyncio.ensure_future(self._server.stop(None))
+            _in_background(self._server.stop(None))
         self._event.set()
 
     def engine_gone(self, reason: str) -> None:
@@ -155,4 +166,4 @@ class _HealthReport:
         if status != self._status:
             self._status = status
             for service in ("", SERVICE_NAME):
-                asyncio.ensure_future(self.servicer.set(service, status))
+                _in_background(self.servicer.set(service, status))
