@@ -3,10 +3,12 @@ is answered again, and the server stops itself when an engine is gone for good.
 
 The supervisor notices a local engine's death first (its sentinel), and a remote rank's loss (its node's
 supervisor says so, or falls silent: supervisor/registration.py), and marks it in shared memory; the pings are
-for what the supervisor cannot see: an engine that stopped answering without exiting (SIGSTOP, a wedged step). A ping is missed when it is not answered within the interval
+for what the supervisor cannot see: an engine that stopped answering without exiting (SIGSTOP, a wedged step).
+An engine answers pings from its I/O thread while a step runs (enginecore/engine_io.py), so a long step is no miss;
+one past --engine-step-timeout is, on purpose. A ping is missed when it is not answered within the interval
 (--engine-ping-interval). One miss already turns /health to 503, so a load balancer stops sending here
 while requests would hang; the server exits only after MISSED_PINGS_FOR_GONE misses in a row, since a single
-slow answer (a long prefill step) is not a death.
+slow answer (a busy machine) is not a death.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ CONTRACT (the supervisor relies on exactly this):
 - then send exactly one record over `ready`: ipc.model_info.EngineReady (with the address bound), or EngineFailed(user_error=True) for a
   bad --model (the supervisor prints the one line and exits 2), or EngineFailed(user_error=False) otherwise;
 - serve until SIGTERM/SIGINT (exit code 0). If the loop raises: send ENGINE_DEAD to every API server it has heard
-  from, log the traceback, exit code 1.
+  from (the serve loop's I/O thread does, and flushes it), log the traceback, exit code 1.
 """
 from __future__ import annotations
 
@@ -86,19 +86,18 @@ def _serve(launch: EngineLaunch) -> None:
     log.info("ready: %s on %s, %d KV blocks, listening at %s", config.model_name, info.device, info.num_kv_blocks,
              address)
 
-    server = EngineServer(core, router)
+    server = EngineServer(core, router, config.engine_step_timeout)  # the router is its I/O thread's from here
     try:
         server.serve_forever()
     except Exception as exc:
         log.error("engine loop failed:\n%s", traceback.format_exc())
-        server.announce_death(f"engine core {rank} failed: {type(exc).__name__}: {exc}")
-        router.setsockopt(zmq.LINGER, 2000)  # let ENGINE_DEAD leave before the socket closes
-        router.close()
-        ctx.term()
+        # The I/O thread sends ENGINE_DEAD to every API server and closes the socket with a linger; term() lets it
+        # leave (only once the socket is closed: term() would wait for an open one forever).
+        if server.close(f"engine core {rank} failed: {type(exc).__name__}: {exc}"):
+            ctx.term()
         sys.exit(1)
     finally:
-        if not router.closed:
-            router.close(linger=0)
+        server.close()  # SIGTERM: stop the I/O thread and close the socket (nothing to flush)
 
 
 def _make_engine(config: ServeConfig, rank: int):

@@ -1,87 +1,127 @@
 """EngineServer: an engine's loop behind its ZMQ ROUTER, the same for the real engine and the simulated one (any
 enginecore.engine_base.EngineBase).
 
-One thread does everything, so the socket (not thread-safe) has one owner and there is no lock on the engine:
+Two threads. The step thread (the process's main thread, where signals are handled) owns the engine, with no lock:
   - idle: block in poll() until a message, a signal or a compiled grammar comes (no CPU used, no busy polling);
-  - busy: take every message already queued (ADD, ABORT, UTILITY) without waiting, run one engine step, and send
-    each API server one EngineOutputs with its sequences' new tokens and the engine's load.
-Messages that arrive during a step (a forward pass, or the simulated engine waiting for its next tick) wait in
-ZMQ's queue and are taken before the next step. A request whose grammar is not compiled yet waits beside the
-engine (enginecore.grammar_compiler.CompilingRequests) while a worker thread compiles it, then goes in like any
-other. A request the engine cannot take fails alone (an 'error' output); an exception out of a step ends the loop:
-the process tells every API server ENGINE_DEAD and exits 1.
+  - busy: take every message already handed over (ADD, ABORT, UTILITY), run one engine step, and post each API
+    server one EngineOutputs with its sequences' new tokens and the engine's load.
+The I/O thread (enginecore.engine_io.EngineIO) owns the ROUTER: it receives and decodes the messages and hands them
+over (a queue and a doorbell this poll() waits on), encodes and sends what the step thread posts (overlapped with
+the next step), and answers UTILITY `ping` and `stats` itself, `stats` from the snapshot the step thread publishes
+after each step and each batch of messages, before it posts what they produced (so an answer a client has seen is
+in every later `stats`). A long step (a big prefill chunk on a CPU) therefore does not look like a dead engine to
+the API servers' pings; a step past --engine-step-timeout does (the I/O thread stops answering). Other utilities
+(reset_prefix_cache, abort_client) run here, between steps.
+
+A request whose grammar is not compiled yet waits beside the engine (enginecore.grammar_compiler.CompilingRequests)
+while a worker thread compiles it, then goes in like any other. A request the engine cannot take fails alone (an
+'error' output); an exception out of a step ends the loop: close(reason) has the I/O thread tell every API server
+ENGINE_DEAD, and the process exits 1.
 """
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import socket
+import time
 from types import SimpleNamespace
 
 import zmq
 
 from enginecore.engine_base import EngineBase, finished_at_once
+from enginecore.engine_io import EngineIO, Malformed
 from enginecore.grammar_compiler import CompilingRequests
-from ipc.codec import MalformedMessage, decode, encode
-from ipc.messages import (AbortRequests, EngineDead, EngineOutputs, EngineRequest, FinishReason, Kind, RequestOutput,
-                          UtilityCall, UtilityResult)
+from ipc.codec import MalformedMessage
+from ipc.messages import (AbortRequests, EngineOutputs, EngineRequest, FinishReason, Kind, RequestOutput, UtilityCall,
+                          UtilityResult)
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STEP_TIMEOUT = 300.0  # ipc.config.ServeConfig.engine_step_timeout's default
+
+
+class EngineIOFailed(RuntimeError):
+    """The I/O thread failed: nothing reaches the engine any more, so it dies like one whose step raised."""
+
 
 class EngineServer:
-    def __init__(self, core: EngineBase, router: zmq.Socket):
+    def __init__(self, core: EngineBase, router: zmq.Socket, step_timeout: float = DEFAULT_STEP_TIMEOUT):
         self.core = core
-        self.router = router
-        self.clients: set[bytes] = set()  # every API server heard from: they all hear of our death
-        self._poller = zmq.Poller()
-        self._poller.register(router, zmq.POLLIN)
+        self.io = EngineIO(router, step_timeout)  # the socket is the I/O thread's from serve_forever() on
+        self._posted: list[tuple[bytes, object]] = []  # what this batch of work sends, once the stats are published
+        self._poller = select.poll()
+        self._poller.register(self.io.inbox_bell.fileno(), select.POLLIN)
         # A signal may land on any thread (zmq's, OpenMP's); Python runs its handler in the main thread only
         # once that thread is back in Python, which an idle poll() never is. The wakeup fd makes poll() return.
         self._wakeup, wakeup_write = socket.socketpair()
         wakeup_write.setblocking(False)
         self._wakeup_write = wakeup_write  # kept open for the process's life
         signal.set_wakeup_fd(wakeup_write.fileno(), warn_on_full_buffer=False)
-        self._poller.register(self._wakeup, zmq.POLLIN)
+        self._poller.register(self._wakeup.fileno(), select.POLLIN)
         # Requests whose grammar compiles in a worker thread wait here, not in the engine (nothing waits with an
         # engine that takes no grammars: the simulated one).
         self._compiling = CompilingRequests(core.grammar_compiler)
-        self._poller.register(self._compiling.fileno(), zmq.POLLIN)
+        self._poller.register(self._compiling.fileno(), select.POLLIN)
         self._utilities = {
-            "ping": lambda: "pong",
+            "ping": lambda: "pong",  # answered by the I/O thread, unless called with arguments (an error then)
             "stats": core.stats,
             "reset_prefix_cache": core.reset_prefix_cache,
             "abort_client": self._abort_client,  # the supervisor's, when an API server died
         }
+        self.io.stats = core.stats()
 
     def serve_forever(self) -> None:
+        io, poll, core = self.io, self._poller.poll, self.core
+        bell, wakeup, compiling = io.inbox_bell.fileno(), self._wakeup.fileno(), self._compiling.fileno()
+        io.start()
         while True:
-            busy = self.core.has_work()
-            events = dict(self._poller.poll(0 if busy else None))
-            if self._wakeup in events:
-                self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
-            if self._compiling.fileno() in events:  # grammars compiled: their requests go to the engine
-                self._admit_compiled()
-            if self.router in events:
-                self._take_messages()
-            if self.core.has_work():
-                self._send_outputs(self.core.step())
+            busy = core.has_work()
+            if not busy:
+                io.busy_since = None  # waiting is not a step: never a wedge
+            events = poll(0 if busy else None)
+            io.busy_since = time.monotonic()
+            for fd, _ in events:
+                if fd == bell:
+                    io.inbox_bell.clear()
+                elif fd == wakeup:
+                    self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
+                elif fd == compiling:  # grammars compiled: their requests go to the engine
+                    self._admit_compiled()
+            if io.error is not None:
+                raise EngineIOFailed(f"the I/O thread failed: {type(io.error).__name__}: {io.error}")
+            if self._take_messages() or self._posted:  # admissions, aborts, utilities: their stats first
+                self._publish()
+            if core.has_work():
+                self._send_outputs(core.step())
+                self._publish()
 
-    def _take_messages(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            identity, payload = frames[0], frames[1:]
-            self.clients.add(identity)
-            try:
-                record = decode(payload)
-            except MalformedMessage as exc:  # a malformed message must not kill the engine
-                log.warning("ignoring a malformed message from %r: %s", identity, exc)
-                self._answer_malformed(identity, payload[0], exc)
-                continue
-            self._handle(identity, record)
+    def close(self, dead_reason: str | None = None) -> bool:
+        """Stop the I/O thread, which sends what was posted (and ENGINE_DEAD to every client heard from when
+        `dead_reason` is given) and closes the socket. True once the socket is closed."""
+        if self.io.ident is None:  # serve_forever never started it: the socket is still this thread's
+            self.io.router.close(linger=0)
+            return True
+        return self.io.stop(dead_reason)
+
+    def _publish(self) -> None:
+        """The stats snapshot first, then what this work produced: whatever a client has heard of is in `stats`."""
+        self.io.stats = self.core.stats()
+        posted, self._posted = self._posted, []
+        self.io.post(posted)
+
+    def _take_messages(self) -> bool:
+        """Handle every message the I/O thread handed over; True if there was any."""
+        inbox = self.io.inbox
+        if inbox.empty():
+            return False
+        while not inbox.empty():
+            identity, record = inbox.get()
+            if isinstance(record, Malformed):
+                self._answer_malformed(identity, record.kind, record.error)
+            else:
+                self._handle(identity, record)
+        return True
 
     def _answer_malformed(self, identity: bytes, kind: bytes, exc: MalformedMessage) -> None:
         """An ADD the decoder refused still gets its answer when its id can be read (an 'error' output per choice):
@@ -106,7 +146,7 @@ class EngineServer:
                        + self.core.abort(record.request_ids, identity, record.indices))
             self._send_outputs([(identity, o) for o in outputs])
         elif isinstance(record, UtilityCall):
-            self._send(identity, self._call(record))
+            self._posted.append((identity, self._call(record)))
         else:
             log.warning("ignoring a %s from %r: not a request", type(record).__name__, identity)
 
@@ -116,6 +156,7 @@ class EngineServer:
             if aborted:  # choices aborted while its grammar compiled
                 outputs += self.core.abort([request.request_id], identity, aborted)
             self._send_outputs([(identity, o) for o in outputs])
+        self._publish()
 
     def _abort_client(self, identity: str) -> int:
         return self._compiling.drop_client(identity.encode()) + self.core.abort_client(identity)
@@ -130,6 +171,7 @@ class EngineServer:
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
     def _send_outputs(self, outputs: list[tuple[bytes | None, RequestOutput]]) -> None:
+        """Post each client one EngineOutputs with its outputs (sent once the stats are published)."""
         if not outputs:
             return
         by_client: dict[bytes, list[RequestOutput]] = {}
@@ -137,14 +179,4 @@ class EngineServer:
             by_client.setdefault(client, []).append(output)
         load = self.core.load()
         for client, outs in by_client.items():
-            self._send(client, EngineOutputs(outs, *load))
-
-    def _send(self, identity: bytes, record) -> None:
-        self.router.send_multipart([identity, *encode(record)], copy=False)
-
-    def announce_death(self, reason: str) -> None:
-        for identity in self.clients:
-            try:
-                self._send(identity, EngineDead(reason))
-            except zmq.ZMQError:
-                pass
+            self._posted.append((client, EngineOutputs(outs, *load)))

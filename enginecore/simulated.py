@@ -11,7 +11,8 @@ sentence (with multi-byte characters, so detokenizers are exercised) that the em
 decodes; after each full sentence comes EOS (the sentence's first token instead while a request ignores EOS or
 still needs min_tokens). logprobs and prompt_logprobs are made up; a structured-output grammar is ignored (no
 compiler, no mask: EngineBase's defaults). A step first waits for its tick (a fixed pace,
-without drift): messages that come meanwhile wait in ZMQ's queue, as during a real forward pass. The prompt costs
+without drift): messages that come meanwhile wait for the next step (the serve loop's I/O thread takes them and
+answers pings meanwhile), as during a real forward pass. The prompt costs
 nothing: the first token comes one step after a request reaches an idle engine. No KV cache; like the real
 engine, it runs at most --max-num-seqs sequences in a step and later requests wait their turn in arrival order
 (reported as waiting), so an engine has a capacity, and data parallelism has something to scale (bench/dp.py).
@@ -21,6 +22,10 @@ Test hooks, documented because tests rely on them:
   server hears ENGINE_DEAD and the process exits 1;
 - a request whose id contains `sim-request-error` fails alone, as one the sampler cannot take does: its first step
   answers each of its choices with an error output (FinishReason.ERROR and a reason), and the engine carries on;
+- a request whose id contains `sim-slow-step-<seconds>` (e.g. `sim-slow-step-4` or `sim-slow-step-2.5`) makes the
+  next step take that much longer, as a long prefill chunk on a slow CPU would: the engine is busy, not dead;
+- a request whose id contains `sim-engine-hang` makes the next step block forever (until SIGTERM), as a wedged
+  forward pass would: the process lives, its step never ends;
 - UTILITY `stats` reports counters (running, waiting, finished, aborted, failed) so a test can see aborts land.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -47,6 +53,8 @@ SENTENCE = (
 )
 DIE_MARKER = "sim-engine-die"
 REQUEST_ERROR_MARKER = "sim-request-error"
+SLOW_STEP_MARKER = re.compile(r"sim-slow-step-(\d+(?:\.\d+)?)")
+HANG_MARKER = "sim-engine-hang"
 
 
 def is_simulated(model: str | None) -> bool:
@@ -76,6 +84,8 @@ class SimulatedEngine(EngineBase):
         self._next_tick: float | None = None  # monotonic time of the next step while anything runs
         self._doomed: str | None = None  # the DIE_MARKER request that makes the next step raise
         self._failing: list = []  # keys of REQUEST_ERROR_MARKER requests, failed by the next step
+        self._stall = 0.0  # seconds the next step takes on top of its tick (SLOW_STEP_MARKER)
+        self._hang: str | None = None  # the HANG_MARKER request that makes the next step block forever
         log.warning("SIMULATED engine (benchmark instrument, no model): one step every %.1f ms", self.interval * 1000)
 
     # --- how this engine schedules (up to --max-num-seqs at once, the rest in arrival order) ---------------
@@ -84,6 +94,11 @@ class SimulatedEngine(EngineBase):
             self._doomed = seq.request_id
         if REQUEST_ERROR_MARKER in seq.request_id:
             self._failing.append((seq.client, seq.request_id))
+        slow = SLOW_STEP_MARKER.search(seq.request_id)
+        if slow:
+            self._stall += float(slow.group(1))
+        if HANG_MARKER in seq.request_id:
+            self._hang = seq.request_id
         self.waiting[seq.seq_id] = seq
         self._admit()
 
@@ -127,6 +142,7 @@ class SimulatedEngine(EngineBase):
         tick = self._next_tick if self._next_tick is not None else now
         if tick > now:
             time.sleep(tick - now)
+        self._stall_if_asked()
         outputs = []
         for key in self._failing:
             if key in self.requests:  # not aborted meanwhile
@@ -144,6 +160,16 @@ class SimulatedEngine(EngineBase):
         # A fixed pace, without drift, unless we fell more than a step behind.
         self._next_tick = max(tick + self.interval, time.monotonic()) if self.running else None
         return outputs
+
+    def _stall_if_asked(self) -> None:
+        if self._hang is not None:
+            log.warning("this step blocks forever, as requested by %r", self._hang)
+            while True:
+                time.sleep(3600)
+        if self._stall:
+            stall, self._stall = self._stall, 0.0
+            log.warning("this step takes %.1f s longer, as requested", stall)
+            time.sleep(stall)
 
     def _next_token(self, seq: Sequence) -> int:
         position = seq.num_output_tokens

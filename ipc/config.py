@@ -36,6 +36,9 @@ class ServeConfig:
     enforce_eager: bool = False
     seed: int = 0
     engine_ready_timeout: float = 600.0
+    # One engine step running longer than this is a wedged engine: it stops answering pings (its API servers then
+    # take it for gone, as a frozen one). Generous: a long prefill chunk on a CPU may take a minute.
+    engine_step_timeout: float = 300.0
 
     # API servers.
     api_key: str | None = None

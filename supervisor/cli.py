@@ -154,6 +154,12 @@ def _positive(click_context, param, value):
 @click.option("--engine-ping-interval", default=_DEFAULTS.engine_ping_interval, show_default=True,
               type=click.FloatRange(0.1), help="Seconds between an API server's pings of each engine: one "
               "unanswered this long turns /health to 503, three in a row stop the API server.")
+@click.option("--engine-step-timeout", default=_DEFAULTS.engine_step_timeout, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds one engine step may run before the engine counts as wedged: it then stops answering "
+                   "pings, and the API servers take it for gone (see --engine-ping-interval). A busy engine "
+                   "answers pings during its steps; keep this above your longest step (a long prompt's prefill "
+                   "chunk on a CPU may take a minute).")
 @click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
 @click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,
