@@ -27,6 +27,7 @@ def raw_hello(rpc: int, **fields) -> object:
                  addresses=["tcp://127.0.0.1:9"], model_name=SIM_MODEL, vocab_size=49152, max_model_len=8192,
                  head_id="")
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://127.0.0.1:{rpc}")
@@ -59,6 +60,7 @@ def test_nodes_that_do_not_fit_are_refused_with_one_line_on_both_sides(deploymen
     assert "rank 0 is one of the head's own ranks" in raw_hello(rpc, ranks=[0]).reason
     # Malformed messages on the registration port: dropped with a line, the head serves on.
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{rpc}")
     for frames in ([b"H", b"{not json"], [b"H", b'{"node_id": 5}'], [b"Z", b"{}"], [b"x"] * 5, [b"H", b"[1,2]"]):

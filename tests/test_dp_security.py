@@ -30,6 +30,7 @@ def _hostile_frames() -> list[list[bytes]]:
 def _answers(address: str, configure) -> list:
     """Every message a DEALER set up by `configure` gets back within 2 s for the hostile frames."""
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"api-0")  # even posing as a real API server's identity
     configure(sock)
@@ -77,6 +78,7 @@ def test_a_client_without_the_key_cannot_submit_or_crash_an_engine(deployment, k
     hello = NodeHello(uuid.uuid4().hex, "intruder", 2, [1], ["tcp://127.0.0.1:9"], SIM_MODEL, 49152, 8192, "")
     assert _answers(f"tcp://127.0.0.1:{rpc}", lambda sock: None) == []
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     other_key(sock)
     sock.connect(f"tcp://127.0.0.1:{rpc}")
@@ -114,6 +116,7 @@ def test_a_keyholder_s_malformed_frames_are_dropped_and_the_engine_serves_on(dep
               [b"A", b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"max_tokens": "many"}}'],
               [b"U", b'{"call_id": "1", "method": "ping"}']]
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     holder(sock)
     sock.connect(address)
