@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
-from enginecore.cpu_linear import Bf16Linear, Float32Linear, Int8Linear, native_bf16  # noqa: E402
+from enginecore.cpu_linear import Bf16Linear, Float32Linear, Int8Linear, OneDnnFloat32Linear, native_bf16  # noqa: E402
 from enginecore.cpu_setup import auto_choice, float32_layout, product_shapes  # noqa: E402
 from enginecore.cpu_threads import set_cpu_threads  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
@@ -87,7 +87,7 @@ def bandwidth_and_ceilings(model: torch.nn.Module) -> None:
 
 def _kernels(weight: torch.Tensor, rows: int, slow: bool) -> dict:
     kernels = {"f32 row": Float32Linear(weight, False), "f32 col": Float32Linear(weight, True),
-               "bf16": Bf16Linear(weight), "int8 W8A8": Int8Linear(weight)}
+               "f32 onednn": OneDnnFloat32Linear(weight), "bf16": Bf16Linear(weight), "int8 W8A8": Int8Linear(weight)}
     if slow or rows == 1:
         scale = weight.abs().amax(1) / 127
         q = (weight / scale[:, None]).round().to(torch.int8)
@@ -153,7 +153,7 @@ def main() -> None:
     print(f"threads: {set_cpu_threads()}, OpenMP waits {os.environ.get('OMP_WAIT_POLICY')} (the engine's defaults; "
           f"OMP_NUM_THREADS and OMP_WAIT_POLICY override them)")
     layout = float32_layout(loaded.model)
-    print(f"float32 layout chosen: {'column' if layout['column_major'] else 'row'}-major ({layout['why']})")
+    print(f"float32 kernel chosen: {layout['kernel']} ({layout['why']})")
     mode, why = auto_choice(loaded.model, layout)
     print(f"--quantization auto chooses {mode} for the embedded GGUF here (native bfloat16: {native_bf16()}; "
           f"bf16 first where native and 10% faster than float32, else int8): {why}")

@@ -3,9 +3,11 @@
 A `CpuLinear` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
 
 - `Float32Linear`: W in float32, stored row-major ([out, in], as nn.Linear) or column-major (the transpose of a
-  contiguous [in, out]). Which layout is faster depends on the CPU and its BLAS (MKL takes other code paths on
-  AMD than on Intel), so `pick_float32_layout` times both on the model's own shapes at start-up. Same numbers
-  either way: only the order of the BLAS's inner loops changes.
+  contiguous [in, out]), multiplied by the BLAS (MKL); `OneDnnFloat32Linear`: W in float32 reordered once into
+  oneDNN's blocked layout and multiplied by oneDNN's float32 kernels. Which is fastest depends on the CPU and
+  the library's path on it (MKL takes other code paths on AMD than on Intel: on an AMD EPYC Zen 5 oneDNN's
+  packed kernels ran a decode step's thin products 2.5-6x faster than MKL's), so `pick_float32_layout` times
+  the three on the model's own shapes at start-up. Float32 throughout: only the order of the sums changes.
 - `Int8Linear` (`--quantization int8`): W as int8 with one scale per output channel (symmetric, the largest
   |w| of the row maps to 127), and the activations quantized per row (per token) to int8 at each call, so
   the product runs on oneDNN's integer kernels (VNNI where the CPU has it). A decode step reads a quarter of
@@ -40,6 +42,27 @@ class Float32Linear(CpuLinear):
         if residual is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(residual, x, self.weight_t)  # the residual add in the product's output pass
+
+
+class OneDnnFloat32Linear(CpuLinear):
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+
+    def __call__(self, x, residual=None):
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        if residual is not None:
+            y.add_(residual)
+        return y
+
+
+FLOAT32_LINEARS = (Float32Linear, OneDnnFloat32Linear)
+# The float32 kernels start-up timing chooses from, by name.
+FLOAT32_KERNELS = {
+    "row-major": lambda w: Float32Linear(w, False),
+    "column-major": lambda w: Float32Linear(w, True),
+    "onednn": OneDnnFloat32Linear,
+}
 
 
 class Int8Linear(CpuLinear):
@@ -139,10 +162,24 @@ def time_kernels(factories: dict, shapes: list[tuple[int, int]], batch_sizes=(1,
 
 
 def pick_float32_layout(shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32)) -> dict:
-    """Row- or column-major float32 weights, whichever multiplies the model's products faster here."""
-    t = time_kernels({False: lambda w: Float32Linear(w, False), True: lambda w: Float32Linear(w, True)},
-                     shapes, batch_sizes)
-    column_major = t[True] < t[False]
-    return {"column_major": column_major, "row_major_s": t[False], "column_major_s": t[True],
-            "why": f"timed at start-up on {len(shapes)} product shapes x batch {list(batch_sizes)}: row-major "
-                   f"{t[False] * 1e3:.2f} ms, column-major {t[True] * 1e3:.2f} ms"}
+    """The float32 kernel (FLOAT32_KERNELS) that multiplies the model's products fastest here: `kernel`, its
+    name; `column_major`, the faster of MKL's two layouts (for transformers' own forward, which only re-lays
+    its weights); the seconds of each."""
+    kinds = dict(FLOAT32_KERNELS)
+    if not onednn_float32_available():
+        del kinds["onednn"]
+    t = time_kernels(kinds, shapes, batch_sizes)
+    kernel = min(t, key=t.__getitem__)
+    timings = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in t.items())
+    return {"kernel": kernel, "column_major": t["column-major"] < t["row-major"], "row_major_s": t["row-major"],
+            "column_major_s": t["column-major"], "onednn_s": t.get("onednn"),
+            "why": f"timed at start-up on {len(shapes)} product shapes x batch {list(batch_sizes)}: {timings}"}
+
+
+def onednn_float32_available() -> bool:
+    """Whether this torch build multiplies float32 with oneDNN's packed weights (x86 builds do)."""
+    try:
+        y = OneDnnFloat32Linear(torch.ones(4, 8))(torch.ones(2, 8))
+        return bool(torch.allclose(y, torch.full((2, 4), 8.0)))
+    except (RuntimeError, AttributeError):
+        return False

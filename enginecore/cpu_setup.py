@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from enginecore.cpu_linear import (Bf16Linear, Float32Linear, Int8Linear, int8_available, native_bf16,
+from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, int8_available, native_bf16,
                                    pick_float32_layout, time_kernels)
 from enginecore.cpu_model import CpuLlama, unsupported_reason
 from enginecore.cpu_weights import store_linear_weights_column_major
@@ -52,7 +52,7 @@ def resolve_quantization(spec: str, model_spec: str | None, device: torch.device
 
 def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
     """(mode, why) for --quantization auto: bf16 where native and faster than float32, else int8 where faster."""
-    candidates = {"none": lambda w: Float32Linear(w, layout["column_major"])}
+    candidates = {"none": FLOAT32_KERNELS[layout["kernel"]]}
     if native_bf16():
         candidates["bf16"] = Bf16Linear
     if int8_available():
@@ -92,17 +92,17 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     why = ""
     if quantization == "auto":
         quantization, why = auto_choice(model, layout)
-    key = (quantization, layout["column_major"])
+    key = (quantization, layout["kernel"])
     cached = _built.setdefault(model, {})
     if key not in cached:
-        float32 = lambda w: Float32Linear(w, layout["column_major"])  # noqa: E731
+        float32 = FLOAT32_KERNELS[layout["kernel"]]
         # bf16 keeps the LM head in float32: logits from bfloat16 inputs flipped near-ties of float32's top two
         # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
         cached[key] = CpuLlama(model, KERNELS.get(quantization) or float32,
                                make_head=float32 if quantization == "bf16" else None)
     cached[key].quantization = quantization
     kernels = {"int8": "int8 W8A8 (oneDNN)", "bf16": "bfloat16 (oneDNN)"}.get(quantization) or \
-        f"float32 {'column' if layout['column_major'] else 'row'}-major ({layout['why']})"
+        f"float32 {layout['kernel']} ({layout['why']})"
     log.info("CPU: lean Llama forward, products %s%s", kernels, f"; --quantization auto chose {quantization}: {why}"
              if why else "")
     return cached[key]

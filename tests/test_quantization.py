@@ -1,7 +1,7 @@
 """--quantization on the CPU: what a user gives up against float32 on a fixed prompt set, and the default."""
 import pytest
 import torch
-from enginecore.cpu_linear import Bf16Linear, Float32Linear, Int8Linear
+from enginecore.cpu_linear import FLOAT32_LINEARS, Bf16Linear, Int8Linear
 from enginecore.cpu_setup import KERNELS, auto_choice, float32_layout, resolve_quantization
 from enginecore.loader import BadEngineSetting
 
@@ -36,7 +36,7 @@ def test_each_mode_multiplies_with_its_kernel(mode, kernel):
     lean = engine.runner.cpu_model
     assert all(isinstance(k, kernel) for layer in lean.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down))
     # bf16 logits come from a float32 head: bfloat16 inputs to it flipped float32's near-tie top tokens.
-    assert isinstance(lean.head, Float32Linear if mode == "bf16" else kernel)
+    assert isinstance(lean.head, FLOAT32_LINEARS if mode == "bf16" else kernel)
     assert engine.quantization == mode
 
 
@@ -50,9 +50,9 @@ def test_auto_chooses_by_measurement_for_the_embedded_gguf_and_float_elsewhere()
     model = engine.loaded.model
     chosen, why = auto_choice(model, float32_layout(model))
     assert engine.quantization == chosen and "ms" in why
-    expected = KERNELS.get(chosen, Float32Linear)
+    expected = KERNELS.get(chosen, FLOAT32_LINEARS)
     assert isinstance(engine.runner.cpu_model.layers[0].qkv, expected)
-    assert isinstance(make_engine().runner.cpu_model.layers[0].qkv, Float32Linear)  # the tests' float32 pin
+    assert isinstance(make_engine().runner.cpu_model.layers[0].qkv, FLOAT32_LINEARS)  # the tests' float32 pin
 
 
 @pytest.mark.parametrize("spec, device, dtype", [("int8", "cuda", torch.float32), ("bf16", "cpu", torch.bfloat16),
