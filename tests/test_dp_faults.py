@@ -14,7 +14,7 @@ from ipc.registration import NodeHello, decode_node_message, encode_node_message
 from tests.dp_support import (SIM_MODEL, complete, deployment, dp_args, free_port, served_by_rank,  # noqa: F401
                               wait_for)
 from tests.load import BackgroundLoad
-from tests.supervise_process import wait_gone
+from tests.supervise_process import title_of, wait_gone
 
 
 def node_args(rpc: int, *extra: str, size: int = 2, model: str = SIM_MODEL) -> list[str]:
@@ -117,8 +117,11 @@ def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
         wait_for(lambda: anywhere.ok >= served + 6, 30, "requests to go on on rank 0", head)
 
         deployment.node(*node_args(rpc))  # a new node (systemd restarted it) registers rank 1 again
-        wait_for(lambda: "rank 1 is back" in head.log() and "rolling restart done" in head.log(), 60,
-                 "the rank to be taken back", head)
+        # "done" once every server is replaced; the old ones (which took rank 1 for gone, for good) then drain
+        # and exit: a new connection may still reach one in the moment before it stops listening.
+        wait_for(lambda: "rank 1 is back" in head.log() and "rolling restart done" in head.log()
+                 and len([c for c in head.children() if "ApiServer_" in title_of(c)]) == 2, 60,
+                 "the rank to be taken back and the old API servers to exit", head)
         back = complete(head.url, {"X-data-parallel-rank": "1"})
         assert back.status_code == 200, back.text
         anywhere_failed = len(anywhere.failures)
