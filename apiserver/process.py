@@ -29,18 +29,25 @@ ENGINE_PING_TIMEOUT = 60.0
 ENGINE_GONE_EXIT_CODE = 3  # the engine stopped answering: the supervisor logs this exit and decides
 
 
-def run_api_server(launch: ApiServerLaunch) -> None:
-    config, index, model = launch.config, launch.index, launch.model
+def enter_process(launch: ApiServerLaunch):
+    """The first steps of an API server process, HTTP or gRPC alike: its title and log name, death with the
+    supervisor, stop signals caught from here on, its shared-memory slot claimed. Returns (StopSignals, group)."""
     from setproctitle import setproctitle
 
-    setproctitle(f"supervise: ApiServer_{index}")
-    setup_logging(f"ApiServer_{index}", config.log_level)
-    die_with_parent(launch.lifeline)
     from apiserver.server import StopSignals
 
+    setproctitle(f"supervise: ApiServer_{launch.index}")
+    setup_logging(f"ApiServer_{launch.index}", launch.config.log_level)
+    die_with_parent(launch.lifeline)
     stop = StopSignals()
     group = GroupState.attach(launch.shared_state_name)
-    group.claim(index, os.getpid())
+    group.claim(launch.index, os.getpid())
+    return stop, group
+
+
+def run_api_server(launch: ApiServerLaunch) -> None:
+    config, model = launch.config, launch.model
+    stop, group = enter_process(launch)
 
     import uvloop
 

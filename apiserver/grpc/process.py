@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Coroutine
 from typing import Any
 
 import grpc
 import uvloop
-from setproctitle import setproctitle
 
 from apiserver.admission import AdmissionControl
 from apiserver.context import ServerContext
@@ -32,12 +30,9 @@ from apiserver.grpc.metrics_http import serve_metrics
 from apiserver.grpc.registration import NOT_SERVING, SERVICE_NAME, SERVING, add_services
 from apiserver.grpc.servicer import VllmEngineService
 from apiserver.metrics import Metrics
-from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT
+from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT, enter_process
 from apiserver.server import StopSignals, beat_forever
 from ipc.launch import ApiServerLaunch
-from ipc.lifeline import die_with_parent
-from ipc.logs import setup_logging
-from ipc.shared_state import GroupState
 
 log = logging.getLogger("apiserver")
 # The loop holds only weak references to tasks: these keep the fire-and-forget ones alive until they finish.
@@ -62,13 +57,8 @@ SERVER_OPTIONS = (
 
 def run_grpc_api_server(launch: ApiServerLaunch) -> None:
     config, index, model = launch.config, launch.index, launch.model
-    setproctitle(f"supervise: ApiServer_{index}")
-    setup_logging(f"ApiServer_{index}", config.log_level)
-    die_with_parent(launch.lifeline)
-    stop = StopSignals()
+    stop, group = enter_process(launch)
     launch.listen_socket.close()  # the supervisor's reservation stays with the supervisor
-    group = GroupState.attach(launch.shared_state_name)
-    group.claim(index, os.getpid())
     engine = EngineClient.for_launch(launch, group)
     ctx = ServerContext(
         config=config, index=index, model=model, renderer=None, engine=engine, group=group,
