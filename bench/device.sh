@@ -5,8 +5,9 @@
 #      of 128 + 128 tokens, on three shapes with random weights built on the GPU (--load-format dummy):
 #      SmolLM2-135M (.device/smollm2: config + real tokenizer), Llama-3.2-1B and Llama-3.1-8B (bench/models:
 #      their published config.json, a synthetic tokenizer made for their vocabulary);
-#   3. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
-#   4. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams.
+#   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
+#   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
+#   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams.
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
 # Every figure and log goes to $OUT (flat, at most 12 files); each step has its own timeout and a failed
 # step does not stop the next; a summary table ends the output.
@@ -39,6 +40,7 @@ if [ "$CPU" = 1 ]; then
   SUPERVISE_ARGS="--max-num-seqs 8"
   # The real shapes: the 1B only (the 8B is 32 GB in float32), a few tokens (about 1 s a step on 2 cores).
   SHAPES="llama-3.2-1b"
+  PROFILE_ARGS="--num-seqs 8 --prompt-len 16 --steps 5"
   SHAPE_ENGINE_ARGS="--num-prompts 2 --prompt-len 8 --output-len 4 --no-single"
   SHAPE_SERVE_ARGS="--num-prompts 4 --max-concurrency 2 --input-len 8 --output-len 4 --warmup 0"
   SHAPE_SUPERVISE_ARGS="--max-num-seqs 2 --max-model-len 64"
@@ -50,6 +52,7 @@ else
   SERVE_ARGS="--num-prompts 1024 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 60"
   SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192"
   SHAPES="llama-3.2-1b llama-3.1-8b"
+  PROFILE_ARGS="--num-seqs 256 --prompt-len 128 --steps 50"
   SHAPE_ENGINE_ARGS="$ENGINE_ARGS --no-single"
   SHAPE_SERVE_ARGS="--num-prompts 512 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 40"
   SHAPE_SUPERVISE_ARGS="$SUPERVISE_ARGS --max-model-len 2048"
@@ -95,6 +98,10 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
   # shellcheck disable=SC2086  # the ARGS variables are word lists on purpose
   step engine 100 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$MODEL_DIR' --load-format dummy \
 --device $DEVICE --dtype $DTYPE $ENGINE_ARGS | tee '$OUT/engine.txt'"
+  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle (15.2's split).
+  # shellcheck disable=SC2086
+  step profile 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py --model '$MODEL_DIR' --load-format dummy \
+--device $DEVICE --dtype $DTYPE $PROFILE_ARGS | tee '$OUT/profile.txt'"
   for shape in $SHAPES; do
     # shellcheck disable=SC2086
     step "engine-$shape" 90 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model bench/models/$shape \
@@ -113,6 +120,11 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
 --device $DEVICE --dtype $DTYPE $SHAPE_SUPERVISE_ARGS" --tokenizer "bench/models/$shape" $SHAPE_SERVE_ARGS \
       --result-json "$OUT/serve-$shape.json"
   done
+  # The 8B's decode step split, if time is left.
+  # shellcheck disable=SC2086
+  [ "$CPU" = 1 ] || step profile-llama-3.1-8b 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py \
+--model bench/models/llama-3.1-8b --load-format dummy --device $DEVICE --dtype $DTYPE $PROFILE_ARGS \
+| tee '$OUT/profile-llama-3.1-8b.txt'"
   # shellcheck disable=SC2086
   "$PYTHON" bench/device_summary.py "$OUT" "$STEPS" $HARDWARE | tee "$OUT/summary.txt"
   rm -f "$STEPS"
