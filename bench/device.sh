@@ -76,7 +76,7 @@ step() {
 }
 
 install_wheels() {
-  if "$PYTHON" -c "import uvicorn, starlette, zmq, orjson, pydantic, setproctitle, httptools, jinja2" 2>/dev/null; then
+  if "$PYTHON" -c "import atomicshm, uvicorn, starlette, zmq, orjson, pydantic, setproctitle, httptools, jinja2" 2>/dev/null; then
     echo "the dependencies import already"; return 0
   fi
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl

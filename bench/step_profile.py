@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--async-scheduling", action="store_true", help="the engine's asynchronous scheduling")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model with random weights")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also print the N GPU kernels that take most of 5 more steps (torch.profiler)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     return p.parse_args()
 
 
@@ -114,6 +117,18 @@ def forward_gpu_ms(core: EngineCore, steps: int) -> float:
     return total / steps
 
 
+def top_kernels(core: EngineCore, n: int, steps: int = 5) -> str:
+    """torch.profiler's table of the GPU operations of `steps` steps, the n costliest by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    return f"GPU operations over {steps} steps:\n" + prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=60)
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -122,7 +137,7 @@ def main() -> None:
     steps = args.steps
     config = ServeConfig(model=model, device=args.device, dtype=args.dtype, load_format=load_format,
                          max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
-                         max_model_len=args.prompt_len + 2 * steps + 64, enable_prefix_caching=False,
+                         enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 2 * steps + 64, enable_prefix_caching=False,
                          **({"async_scheduling": True} if args.async_scheduling else {}))
     core = EngineCore(config)
     cuda = core.device.type == "cuda"
@@ -154,6 +169,7 @@ def main() -> None:
         wall += time.perf_counter() - started
     timer.on = False
     gpu_ms = forward_gpu_ms(core, steps) if cuda else None
+    kernel_table = top_kernels(core, args.kernels) if cuda and args.kernels else None
 
     per_step = wall / steps * 1e3
     print(f"model {core.loaded.model_dir} ({'tiny ' if args.tiny else ''}{core.quantization}) on {core.device}, "
@@ -171,6 +187,8 @@ def main() -> None:
     if gpu_ms is not None:
         print(f"GPU time of a step's forward (events, a second pass): {gpu_ms:.3f} ms, {gpu_ms / per_step:.1%} of "
               f"the wall: the GPU is idle {1 - gpu_ms / per_step:.1%} of a step, waiting for the host")
+    if kernel_table:
+        print(kernel_table)
 
 
 if __name__ == "__main__":
