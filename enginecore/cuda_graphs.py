@@ -135,5 +135,7 @@ def _device_tensors(inputs: StepInputs) -> list[torch.Tensor]:
     a = inputs.attention
     tensors = [inputs.input_ids, inputs.positions, a.slot_mapping]
     if a.varlen is not None:
-        return tensors + [a.varlen.kv_slots, a.varlen.cu_q, a.varlen.cu_k]
+        # cu_q and cu_k are the bucket's shape (one query and `blocks` whole blocks per row): the graph's own copies
+        # already hold them.
+        return tensors + [a.varlen.kv_blocks, a.varlen.seqused_k]
     return tensors + [a.decode_blocks, a.decode_mask]

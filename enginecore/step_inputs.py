@@ -77,39 +77,42 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     positions = np.empty(row, dtype=np.int64)
     slots = np.empty(row, dtype=np.int64)
     prefills: list[PrefillRun] = []
-    context_slots: list[np.ndarray] = []  # varlen: each prefill run's whole context, in cache slots
-    decode_ctx = np.empty(num_decodes, dtype=np.int64)
+    # varlen: every run's context blocks and real context length, decodes first.
+    run_blocks: list[list[int] | np.ndarray] = []
+    k_lens = np.empty(len(entries), dtype=np.int64)
+    decode_ctx = k_lens[:num_decodes]
     r = 0
     for i, (seq, n) in enumerate(entries):
         start = starts[i]
         if n == 1:
             positions[r] = start
             slots[r] = seq.block_table[start // block_size] * block_size + start % block_size
-            decode_ctx[i] = start + 1
+            k_lens[i] = start + 1
+            if varlen:
+                run_blocks.append(seq.block_table[:start // block_size + 1])
         else:
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions[r:r + n] = pos
             slots[r:r + n] = table[pos // block_size] * block_size + pos % block_size
+            k_lens[i] = start + n
             if varlen:
-                ctx = np.arange(start + n)
-                context_slots.append(table[ctx // block_size] * block_size + ctx % block_size)
+                run_blocks.append(table[:-(-(start + n) // block_size)])
             else:
                 prefills.append(_prefill_run(r, start, n, table, block_size, device))
         r += n
 
     attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=num_decodes, prefills=prefills)
     if varlen:
-        q_lens = [1] * num_decodes + [n for _, n in entries[num_decodes:]]
-        decode_slots, decode_lens = _context_slots(entries[:num_decodes], decode_ctx, block_size, num_decodes, 0)
-        k_lens = list(decode_lens) + [len(c) for c in context_slots]
-        attention.varlen = _varlen(np.concatenate([decode_slots] + context_slots), q_lens, k_lens, device)
+        q_lens = np.array([n for _, n in entries])
+        blocks = np.concatenate(run_blocks).astype(np.int64, copy=False)
+        attention.varlen = _varlen(blocks, -(-k_lens // block_size), q_lens, k_lens, block_size, device)
         num_decodes = 0  # nothing left for the batched decode path
     if num_decodes:
         max_blocks = -(-int(decode_ctx.max()) // block_size)
-        tables, mask = _decode_tables(entries[:num_decodes], decode_ctx, max_blocks, num_decodes, block_size, 0)
+        tables = _block_tables(entries[:num_decodes], max_blocks, num_decodes, 0)
         attention.decode_blocks = _to(tables.reshape(-1), device)
-        attention.decode_mask = _to(mask, device)
+        attention.decode_mask = _to(_length_mask(_lengths(decode_ctx, num_decodes), max_blocks, block_size), device)
     return StepInputs(
         input_ids=_to(np.asarray(ids, dtype=np.int64), device)[None],
         positions=_to(positions, device)[None],
@@ -121,39 +124,42 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     )
 
 
-def _varlen(kv_slots: np.ndarray, q_lens, k_lens, device: torch.device, max_k: int | None = None) -> VarlenAttention:
+def _varlen(blocks: np.ndarray, block_counts: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, block_size: int,
+            device: torch.device) -> VarlenAttention:
+    """blocks: every run's context blocks, run after run (block_counts[i] of them for run i); k_lens: the real
+    context lengths. Each run's keys are its blocks whole (cu_k), of which flash reads k_lens[i] (seqused_k)."""
+    padded = block_counts * block_size
     return VarlenAttention(
-        kv_slots=_to(kv_slots, device),
-        cu_q=_to(np.cumsum([0, *q_lens]).astype(np.int32), device),
-        cu_k=_to(np.cumsum([0, *k_lens]).astype(np.int32), device),
-        max_q=int(max(q_lens)),
-        max_k=max_k or int(max(k_lens)),
+        kv_blocks=_to(blocks, device),
+        cu_q=_to(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), device),
+        cu_k=_to(np.concatenate([[0], np.cumsum(padded)]).astype(np.int32), device),
+        seqused_k=_to(k_lens.astype(np.int32), device),
+        max_q=int(q_lens.max()),
+        max_k=int(padded.max()),
     )
 
 
-def _context_slots(entries, ctx: np.ndarray, block_size: int, rows: int, pad_block: int):
-    """Every single-token sequence's context in cache slots, packed one after the other, and the lengths
-    (padding rows: one slot of pad_block)."""
-    if rows == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    blocks = -(-int(ctx.max()) // block_size) if len(ctx) else 1
-    tables, _ = _decode_tables(entries, ctx, blocks, rows, block_size, pad_block)
-    grid = (tables[:, :, None] * block_size + np.arange(block_size)).reshape(rows, -1)
-    lengths = np.ones(rows, dtype=np.int64)
-    lengths[:len(ctx)] = ctx
-    return grid[np.arange(grid.shape[1])[None, :] < lengths[:, None]], lengths
-
-
-def _decode_tables(entries, ctx: np.ndarray, blocks: int, rows: int, block_size: int, pad_block: int):
-    """Block tables [rows, blocks] (padded with pad_block) and the length mask [rows, 1, 1, blocks * block_size]."""
+def _block_tables(entries, blocks: int, rows: int, pad_block: int) -> np.ndarray:
+    """Block tables [rows, blocks] of the single-token sequences, padded with pad_block (padding rows: all of it)."""
     tables = np.full((rows, blocks), pad_block, dtype=np.int64)
     for i, (seq, _) in enumerate(entries):
         table = seq.block_table[:blocks]
         tables[i, :len(table)] = table
-    lengths = np.ones(rows, dtype=np.int64)  # padding rows look at one (scratch) slot: no empty softmax
+    return tables
+
+
+def _lengths(ctx: np.ndarray, rows: int) -> np.ndarray:
+    """The context lengths of `rows` rows, the first len(ctx) of them given; padding rows look at one (scratch)
+    slot: no empty softmax."""
+    lengths = np.ones(rows, dtype=np.int64)
     lengths[:len(ctx)] = ctx
+    return lengths
+
+
+def _length_mask(lengths: np.ndarray, blocks: int, block_size: int) -> np.ndarray:
+    """[rows, 1, 1, blocks * block_size] bool: True where a row attends."""
     mask = np.arange(blocks * block_size)[None, :] < lengths[:, None]
-    return tables, mask[:, None, None, :]
+    return mask[:, None, None, :]
 
 
 def _padded_decode_inputs(entries, block_size: int, device: torch.device, padding: DecodePadding,
@@ -169,17 +175,17 @@ def _padded_decode_inputs(entries, block_size: int, device: torch.device, paddin
         positions[i] = start
         slots[i] = seq.block_table[start // block_size] * block_size + start % block_size
         ctx[i] = start + 1
+    # Static shapes for the graph: every row has padding.blocks blocks, the scratch block where it has fewer.
+    tables = _block_tables(entries, padding.blocks, rows, padding.scratch_block)
+    lengths = _lengths(ctx, rows)
     if varlen:
-        # Static shapes for the graph: the packed contexts padded to rows x blocks x block_size slots.
-        kv_slots, lengths = _context_slots(entries, ctx, block_size, rows, padding.scratch_block)
-        full = np.full(rows * padding.blocks * block_size, padding.scratch_block * block_size, dtype=np.int64)
-        full[:len(kv_slots)] = kv_slots
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=0,
-                                  varlen=_varlen(full, [1] * rows, lengths, device, padding.blocks * block_size))
+                                  varlen=_varlen(tables.reshape(-1), np.full(rows, padding.blocks),
+                                                 np.ones(rows, dtype=np.int64), lengths, block_size, device))
     else:
-        tables, mask = _decode_tables(entries, ctx, padding.blocks, rows, block_size, padding.scratch_block)
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=rows,
-                                  decode_blocks=_to(tables.reshape(-1), device), decode_mask=_to(mask, device))
+                                  decode_blocks=_to(tables.reshape(-1), device),
+                                  decode_mask=_to(_length_mask(lengths, padding.blocks, block_size), device))
     return StepInputs(
         input_ids=_to(ids, device)[None],
         positions=_to(positions, device)[None],
