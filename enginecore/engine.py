@@ -32,6 +32,7 @@ from enginecore.cpu_setup import prepare_cpu_model, resolve_quantization
 from enginecore.cpu_threads import set_cpu_threads
 from enginecore.engine_base import BadEngineSetting, EngineBase, EngineLoad
 from enginecore.host_to_device import to_device
+from enginecore.lean_model import device_lean_model
 from enginecore.kv_cache import KVCache, KVShape, cpu_num_blocks
 from enginecore.loader import LoadedModel, load_model
 from enginecore.model_runner import ModelRunner
@@ -75,11 +76,12 @@ class EngineCore(EngineBase):
         if loaded is None:
             loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
         self.quantization = resolve_quantization(config.quantization, config.model, loaded.device, loaded.dtype)
-        cpu_model = None
         if loaded.device.type == "cpu":
             set_cpu_threads()
-            cpu_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
-        self.quantization = getattr(cpu_model, "quantization", None) or self.quantization.replace("auto", "none")
+            lean_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
+        else:
+            lean_model = device_lean_model(loaded.model)
+        self.quantization = getattr(lean_model, "quantization", None) or self.quantization.replace("auto", "none")
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = config.block_size
@@ -90,7 +92,7 @@ class EngineCore(EngineBase):
         if context_len and max_len > context_len:
             raise BadEngineSetting(f"--max-model-len {max_len} exceeds the model's context of {context_len} tokens")
 
-        self.runner = ModelRunner(loaded.model, self.device, config.block_size, cpu_model=cpu_model)
+        self.runner = ModelRunner(loaded.model, self.device, config.block_size, lean_model=lean_model)
         shape = KVShape.of(loaded.hf_config)
         num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).
