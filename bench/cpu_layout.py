@@ -120,7 +120,7 @@ def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) 
     cores = {q: EngineCore(ServeConfig(device="cpu", dtype="float32", quantization=q, max_num_seqs=64,
                                        max_model_len=256, enable_prefix_caching=False), loaded=loaded)
              for q in ("none", "bf16", "int8")}
-    lean = cores["none"].runner.cpu_model
+    lean = cores["none"].runner.lean_model
     paths = {"transformers f32": ("none", None), "lean f32": ("none", lean), "lean bf16": ("bf16", None),
              "lean int8": ("int8", None)}
     gen = torch.Generator().manual_seed(0)
@@ -132,15 +132,15 @@ def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) 
         rates: dict[str, list[float]] = {p: [] for p in paths}
         outputs: dict[str, list] = {}
         for r in range(rounds):
-            for path, (quantization, cpu_model) in paths.items():
+            for path, (quantization, lean_model) in paths.items():
                 core = cores[quantization]
                 if quantization == "none":
-                    core.runner.cpu_model = cpu_model
+                    core.runner.lean_model = lean_model
                 started = time.perf_counter()
                 out = core.generate([EngineRequest(f"{r}-{i}", p, params) for i, p in enumerate(prompts)])
                 rates[path].append(streams * output_len / (time.perf_counter() - started))
                 outputs[path] = [out[(f"{r}-{i}", 0)] for i in range(streams)]
-        cores["none"].runner.cpu_model = lean
+        cores["none"].runner.lean_model = lean
         cells = "  ".join(f"{p} {statistics.median(v):.1f} ({'same' if outputs[p] == outputs['transformers f32'] else 'differs'})"
                           for p, v in rates.items())
         print(f"{streams:>3} streams: {cells}")

@@ -84,6 +84,26 @@ install_wheels() {
 export -f install_wheels
 export PYTHON SITE
 
+# engine_step NAME MODEL SECONDS ARGS...: bench/engine.py on MODEL (random weights), its table in $OUT/NAME.txt.
+engine_step() {
+  local name=$1 model=$2 limit=$3; shift 3
+  step "$name" "$limit" bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$model' --load-format dummy \
+--device $DEVICE --dtype $DTYPE $* | tee '$OUT/$name.txt'"
+}
+
+# profile_step NAME MODEL on|off: bench/step_profile.py with asynchronous scheduling on or off.
+profile_step() {
+  step "$1" 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py --model '$2' --load-format dummy \
+--device $DEVICE --dtype $DTYPE --async-scheduling $3 $PROFILE_ARGS | tee '$OUT/$1.txt'"
+}
+
+# serve_step NAME MODEL SECONDS SUPERVISE_ARGS SERVE_ARGS...: end to end, `supervise` under bench/serve.py.
+serve_step() {
+  local name=$1 model=$2 limit=$3 supervise_args=$4; shift 4
+  step "$name" "$limit" "$PYTHON" bench/serve.py --start-supervise "--model $model --load-format dummy \
+--device $DEVICE --dtype $DTYPE $supervise_args" --tokenizer "$model" "$@" --result-json "$OUT/$name.json"
+}
+
 main() {
   echo "device.sh $(date -Is) on $(hostname): $(nproc) cores, mode $DEVICE/$DTYPE, out $OUT"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -94,37 +114,29 @@ main() {
   # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs (skipped with --cpu).
   [ "$CPU" = 1 ] || step gpu-tests 100 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
 tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
-  # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it.
-  # shellcheck disable=SC2086  # the ARGS variables are word lists on purpose
-  step engine 100 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model '$MODEL_DIR' --load-format dummy \
---device $DEVICE --dtype $DTYPE $ENGINE_ARGS | tee '$OUT/engine.txt'"
-  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle (15.2's split).
-  # shellcheck disable=SC2086
-  step profile 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py --model '$MODEL_DIR' --load-format dummy \
---device $DEVICE --dtype $DTYPE $PROFILE_ARGS | tee '$OUT/profile.txt'"
+  # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it, so the steps
+  # run in the order of what matters most: the 135M shape (engine, step split, end to end), then the 8B, then the
+  # front end alone, then the 1B.
+  engine_step engine "$MODEL_DIR" 100 $ENGINE_ARGS
+  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle; asynchronous scheduling on and off.
+  profile_step profile "$MODEL_DIR" on
+  profile_step profile-sync "$MODEL_DIR" off
+  serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
+  [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
   for shape in $SHAPES; do
-    # shellcheck disable=SC2086
-    step "engine-$shape" 90 bash -c "set -o pipefail; '$PYTHON' bench/engine.py --model bench/models/$shape \
---load-format dummy --device $DEVICE --dtype $DTYPE $SHAPE_ENGINE_ARGS | tee '$OUT/engine-$shape.txt'"
+    [ "$shape" = llama-3.1-8b ] || continue
+    engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
+    serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
   # shellcheck disable=SC2086
   step frontend 100 "$PYTHON" bench/frontend.py $FRONTEND_ARGS --result-json "$OUT/frontend.json" \
     --plot "$OUT/frontend.png"
-  # shellcheck disable=SC2086
-  step serve 100 "$PYTHON" bench/serve.py --start-supervise "--model $MODEL_DIR --load-format dummy --device $DEVICE \
---dtype $DTYPE $SUPERVISE_ARGS" --tokenizer "$MODEL_DIR" $SERVE_ARGS --result-json "$OUT/serve.json" \
-    --plot "$OUT/serve.png"
   for shape in $SHAPES; do
-    # shellcheck disable=SC2086
-    step "serve-$shape" 90 "$PYTHON" bench/serve.py --start-supervise "--model bench/models/$shape --load-format dummy \
---device $DEVICE --dtype $DTYPE $SHAPE_SUPERVISE_ARGS" --tokenizer "bench/models/$shape" $SHAPE_SERVE_ARGS \
-      --result-json "$OUT/serve-$shape.json"
+    [ "$shape" != llama-3.1-8b ] || continue
+    engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
+    serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
-  # The 8B's decode step split, if time is left.
-  # shellcheck disable=SC2086
-  [ "$CPU" = 1 ] || step profile-llama-3.1-8b 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py \
---model bench/models/llama-3.1-8b --load-format dummy --device $DEVICE --dtype $DTYPE $PROFILE_ARGS \
-| tee '$OUT/profile-llama-3.1-8b.txt'"
+  [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b bench/models/llama-3.1-8b on
   # shellcheck disable=SC2086
   "$PYTHON" bench/device_summary.py "$OUT" "$STEPS" $HARDWARE | tee "$OUT/summary.txt"
   rm -f "$STEPS"

@@ -111,6 +111,39 @@ def serve_rows(path: str, shape: str, hardware: dict) -> list[tuple[str, str, st
     return rows
 
 
+def profile_rows(path: str, name: str) -> list[tuple[str, str, str]]:
+    """bench/step_profile.py's step time and the forward's GPU time."""
+    if not os.path.isfile(path):
+        return [(name, "no result", "")]
+    text = open(path).read()
+    step = re.search(r"step: ([\d.]+) ms wall, (\d+) tokens/s", text)
+    gpu = re.search(r"GPU time of a step's forward \(events, a second pass\): ([\d.]+) ms", text)
+    mode = re.search(r"async scheduling (on|off)", text)
+    label = f"{name} (async {mode.group(1) if mode else '?'})"
+    if not step:
+        return [(label, "no table in the log", "")]
+    rows = [(f"{label}: decode step ms / tok/s", f"{float(step.group(1)):.2f} / {step.group(2)}", "")]
+    if gpu:
+        rows.append((f"{label}: forward on the GPU ms, GPU idle", f"{float(gpu.group(1)):.2f}, "
+                     f"{max(0.0, 1 - float(gpu.group(1)) / float(step.group(1))):.0%}", ""))
+    return rows
+
+
+def end_to_end_rows(out_dir: str) -> list[tuple[str, str, str]]:
+    """The 135M group's output tok/s against the engine alone's in the same run (issue 15.1: >= 95%)."""
+    engine = os.path.join(out_dir, "engine.txt")
+    if not os.path.isfile(engine):
+        return []
+    match = re.search(r"\d+ requests\s+supervise engine core\s+\d+\s+[\d.]+\s+([\d.]+)", open(engine).read())
+    rows = []
+    for name in ("serve", "serve-4-servers"):
+        path = os.path.join(out_dir, name + ".json")
+        if match and os.path.isfile(path):
+            served = json.load(open(path))["runs"][0]["summary"]["output_throughput"]
+            rows.append((f"{name} / engine: output tok/s", f"{served / float(match.group(1)):.0%}", ">= 95%"))
+    return rows
+
+
 def shapes(out_dir: str, prefix: str, suffix: str) -> list[tuple[str, str]]:
     """(shape, path) of OUT_DIR's PREFIX[-SHAPE]SUFFIX files, the unnamed (135M) shape first."""
     found = [("", os.path.join(out_dir, prefix + suffix))]
@@ -136,7 +169,9 @@ def main() -> None:
     readers.append((frontend_rows, os.path.join(args.out_dir, "frontend.json")))
     readers += [(lambda path, shape=shape: serve_rows(path, shape, hardware), path)
                 for shape, path in shapes(args.out_dir, "serve", ".json")]
-    rows = []
+    readers += [(lambda path, name=name: profile_rows(path, name), os.path.join(args.out_dir, name + ".txt"))
+                for name in ("profile", "profile-sync", "profile-llama-3.1-8b")]
+    rows = end_to_end_rows(args.out_dir)
     for reader, path in readers:
         try:
             rows += reader(path)

@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
                    help="default: 8192 on CUDA (a GPU step of 8k tokens costs little more than of 2k), else 2048")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
     p.add_argument("--no-hf", action="store_true", help="skip plain transformers")
     p.add_argument("--no-single", action="store_true", help="skip the single-stream rows")
@@ -145,7 +147,8 @@ def main() -> None:
     config = ServeConfig(
         model=args.model, device=str(loaded.device), dtype=args.dtype, load_format=args.load_format,
         max_num_seqs=args.max_num_seqs or len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + args.output_len + 16,
+        enforce_eager=args.enforce_eager, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        max_model_len=args.prompt_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
     )
     core = EngineCore(config, loaded=loaded)
@@ -159,7 +162,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each; engine: "
           f"max-num-batched-tokens {token_budget}"
-          + (f", CUDA graphs {'off' if args.enforce_eager else 'on'}" if loaded.device.type == "cuda" else ""))
+          + (f", CUDA graphs {'off' if args.enforce_eager else 'on'}" if loaded.device.type == "cuda" else "")
+          + f", async scheduling {'on' if core.async_scheduling else 'off'}")
     print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
     for name, label in (("batch", f"{args.num_prompts} requests"), ("single", "1 request")):
         if name not in engine_results:

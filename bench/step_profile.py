@@ -5,9 +5,10 @@
 
 It admits --num-seqs requests of --prompt-len random tokens, steps until every one is decoding, then times
 --steps decode steps. Each engine phase is timed on the host by wrapping its method (schedule, prepare inputs,
-copy blocks, forward launch, structured mask, sample, emit per sequence, prefix-block registration); on CUDA a
-pair of events around forward..sample gives the GPU's span of the step, and the rest of the wall time is the
-GPU waiting for the host. `sample` includes waiting for the GPU: it copies the token ids back.
+copy blocks, forward launch, structured mask, sampling launch, tokens to the host, emit per sequence, prefix-block
+registration); on CUDA a second pass times each step's forward with events, and the rest of the wall time is the
+GPU waiting for the host. "tokens to the host" includes waiting for the GPU. Under asynchronous scheduling the
+host's phases of step k+1 overlap the GPU's work of step k, so the GPU idles only where the host takes longer.
 
 --tiny shrinks the model (hidden 64, 2 layers, 2 heads) so the forward costs almost nothing: what is left is the
 per-step host work that a GPU step of the real model pays too, measurable on any CPU.
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
+from enginecore.sampler import SampledTokens  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
 from ipc.messages import EngineRequest  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
@@ -46,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--async-scheduling", action="store_true", help="the engine's asynchronous scheduling")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model with random weights")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also print the N GPU kernels that take most of 5 more steps (torch.profiler)")
@@ -138,7 +141,7 @@ def main() -> None:
     config = ServeConfig(model=model, device=args.device, dtype=args.dtype, load_format=load_format,
                          max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                          enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 2 * steps + 64, enable_prefix_caching=False,
-                         **({"async_scheduling": True} if args.async_scheduling else {}))
+                         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     core = EngineCore(config)
     cuda = core.device.type == "cuda"
     g = torch.Generator().manual_seed(0)
@@ -158,7 +161,8 @@ def main() -> None:
     timer.wrap(core.kv_cache, "copy_blocks", "copy blocks")
     timer.wrap(core.runner, "forward", "forward (launch)")
     timer.wrap(core.structured, "mask", "structured mask")
-    timer.wrap(core.sampler, "sample", "sample (waits for the GPU)" if cuda else "sample")
+    timer.wrap(core.sampler, "launch", "sample (launch)")
+    timer.wrap(SampledTokens, "result", "tokens to the host (waits for the GPU)" if cuda else "tokens to the host")
     timer.wrap(core, "_emit", "emit")
     timer.wrap(core.pool, "register_full_blocks", "register blocks")
     timer.on = True
@@ -174,7 +178,7 @@ def main() -> None:
     per_step = wall / steps * 1e3
     print(f"model {core.loaded.model_dir} ({'tiny ' if args.tiny else ''}{core.quantization}) on {core.device}, "
           f"{args.num_seqs} sequences decoding, {steps} steps, async scheduling "
-          f"{'on' if args.async_scheduling else 'off'}")
+          f"{'on' if core.async_scheduling else 'off'}")
     print(f"step: {per_step:.3f} ms wall, {tokens / wall:.0f} tokens/s, "
           f"{wall / max(tokens, 1) * 1e6:.2f} us per token")
     print(f"{'phase':<30}{'ms/step':>10}{'share':>8}{'us/seq':>9}")

@@ -1,6 +1,6 @@
 """The CPU's matrix products: float32 weights in the layout this CPU multiplies fastest, or int8 weights.
 
-A `CpuLinear` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
+A `LinearKernel` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
 
 - `Float32Linear`: W in float32, stored row-major ([out, in], as nn.Linear) or column-major (the transpose of a
   contiguous [in, out]), multiplied by the BLAS (MKL); `OneDnnFloat32Linear`: W in float32 reordered once into
@@ -23,7 +23,7 @@ import time
 import torch
 
 
-class CpuLinear:
+class LinearKernel:
     in_features: int
     out_features: int
 
@@ -31,12 +31,14 @@ class CpuLinear:
         raise NotImplementedError
 
 
-class Float32Linear(CpuLinear):
-    def __init__(self, weight: torch.Tensor, column_major: bool):
+class TorchLinear(LinearKernel):
+    """torch's own product for the weight's device and dtype (cuBLAS on CUDA, the BLAS on the CPU), on the
+    weight as given."""
+
+    def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.weight = weight.t().contiguous().t() if column_major else weight.contiguous()
-        self.weight_t = self.weight.t()  # [in, out]: what addmm multiplies by
-        self.column_major = column_major
+        self.weight = weight
+        self.weight_t = weight.t()  # [in, out]: what addmm multiplies by
 
     def __call__(self, x, residual=None):
         if residual is None:
@@ -44,7 +46,13 @@ class Float32Linear(CpuLinear):
         return torch.addmm(residual, x, self.weight_t)  # the residual add in the product's output pass
 
 
-class OneDnnFloat32Linear(CpuLinear):
+class Float32Linear(TorchLinear):
+    def __init__(self, weight: torch.Tensor, column_major: bool):
+        super().__init__(weight.t().contiguous().t() if column_major else weight.contiguous())
+        self.column_major = column_major
+
+
+class OneDnnFloat32Linear(LinearKernel):
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
@@ -65,7 +73,7 @@ FLOAT32_KERNELS = {
 }
 
 
-class Int8Linear(CpuLinear):
+class Int8Linear(LinearKernel):
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
@@ -84,7 +92,7 @@ class Int8Linear(CpuLinear):
         return y
 
 
-class Bf16Linear(CpuLinear):
+class Bf16Linear(LinearKernel):
     """W in bfloat16, x rounded to bfloat16 for the product only (norms, attention, softmax and the residual
     stream stay float32): oneDNN's bf16 kernels where the CPU has them natively (AVX512_BF16, AMX). The weight
     is reordered once into oneDNN's blocked layout: handed a plain tensor, oneDNN reorders it on every call,

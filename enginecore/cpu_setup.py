@@ -21,7 +21,7 @@ import torch
 
 from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, int8_available, native_bf16,
                                    pick_float32_layout, time_kernels)
-from enginecore.cpu_model import CpuLlama, unsupported_reason
+from enginecore.lean_model import LeanLlama, unsupported_reason
 from enginecore.cpu_weights import store_linear_weights_column_major
 from enginecore.engine_base import BadEngineSetting
 
@@ -67,7 +67,7 @@ def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
     return "none", why
 
 
-def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: str) -> CpuLlama | None:
+def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: str) -> LeanLlama | None:
     """The lean CPU model for `model`, or None where transformers' forward runs (then, in float32, its Linear
     weights are re-laid in place in the layout measured faster here)."""
     why_not = unsupported_reason(model)
@@ -98,7 +98,7 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
         float32 = FLOAT32_KERNELS[layout["kernel"]]
         # bf16 keeps the LM head in float32: logits from bfloat16 inputs flipped near-ties of float32's top two
         # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
-        cached[key] = CpuLlama(model, KERNELS.get(quantization) or float32,
+        cached[key] = LeanLlama(model, KERNELS.get(quantization) or float32,
                                make_head=float32 if quantization == "bf16" else None)
     cached[key].quantization = quantization
     kernels = {"int8": "int8 W8A8 (oneDNN)", "bf16": "bfloat16 (oneDNN)"}.get(quantization) or \

@@ -1,5 +1,5 @@
 """Linear weights of a transformers model re-laid column-major in place, for models the lean CPU forward does
-not cover (enginecore.cpu_model) when start-up timing found that layout faster on this CPU
+not cover (enginecore.lean_model) when start-up timing found that layout faster on this CPU
 (enginecore.cpu_setup.float32_layout; MKL takes other code paths on AMD than on Intel, so it is measured, not
 assumed). Storing W as the transpose of a contiguous [in, out] tensor keeps the parameter's shape, so the
 model's own code runs unchanged while torch hands the BLAS an untransposed B.

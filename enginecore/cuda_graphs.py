@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from enginecore import attention
 from enginecore.model_runner import ModelRunner
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import DecodePadding, StepInputs, build_step_inputs
@@ -117,14 +116,8 @@ class CudaGraphRunner:
             self.eager.forward(static)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        attention.current.step = static.attention
-        attention.current.kv_cache = self.kv_cache
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self.model(input_ids=static.input_ids, position_ids=static.positions, use_cache=False,
-                                    logits_to_keep=static.sample_rows).logits[0]
-        finally:
-            attention.current.step = None
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            logits = self.eager.forward(static)  # the lean forward, or transformers'
         log.debug("captured a CUDA graph for %d sequences x %d blocks in %.2f s", *example.graph_shape,
                   time.monotonic() - started)
         return _Graph(graph, static, logits)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,10 +31,12 @@ from enginecore.block_pool import KVBlockPool
 from enginecore.cpu_setup import prepare_cpu_model, resolve_quantization
 from enginecore.cpu_threads import set_cpu_threads
 from enginecore.engine_base import BadEngineSetting, EngineBase, EngineLoad
+from enginecore.host_to_device import to_device
+from enginecore.lean_model import device_lean_model
 from enginecore.kv_cache import KVCache, KVShape, cpu_num_blocks
 from enginecore.loader import LoadedModel, load_model
 from enginecore.model_runner import ModelRunner
-from enginecore.sampler import Sampler, prompt_logprobs
+from enginecore.sampler import SampledTokens, SampleResult, Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
 from enginecore.sequence import Sequence
 from enginecore.structured_output import StructuredOutputs
@@ -42,6 +45,25 @@ from ipc.messages import RequestOutput
 from ipc.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    entries: list[tuple[Sequence, int]]  # the scheduled batch: (sequence, tokens computed)
+    seqs: list[Sequence]  # one per sampled row (a forked choice shares its parent's row)
+    positions: list[int | None]  # where each row's token goes in its token_ids; None: no token (max_tokens 0)
+    sampled: SampledTokens | SampleResult
+    needs_host_tokens: bool  # a row's next step needs this token on the host (a grammar, a penalty)
+
+
+def _read_pending_tokens(input_ids: torch.Tensor, pending_tokens: torch.Tensor) -> None:
+    """Input ids -1 - r (a token not on the host yet) become row r of the step before's sampled tokens, on the
+    device: no wait for that step."""
+    waiting = input_ids < 0
+    rows = (-1 - input_ids).clamp_(min=0)
+    input_ids.copy_(torch.where(waiting, pending_tokens[rows], input_ids))
 
 
 class EngineCore(EngineBase):
@@ -54,11 +76,12 @@ class EngineCore(EngineBase):
         if loaded is None:
             loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
         self.quantization = resolve_quantization(config.quantization, config.model, loaded.device, loaded.dtype)
-        cpu_model = None
         if loaded.device.type == "cpu":
             set_cpu_threads()
-            cpu_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
-        self.quantization = getattr(cpu_model, "quantization", None) or self.quantization.replace("auto", "none")
+            lean_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
+        else:
+            lean_model = device_lean_model(loaded.model)
+        self.quantization = getattr(lean_model, "quantization", None) or self.quantization.replace("auto", "none")
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = config.block_size
@@ -69,7 +92,7 @@ class EngineCore(EngineBase):
         if context_len and max_len > context_len:
             raise BadEngineSetting(f"--max-model-len {max_len} exceeds the model's context of {context_len} tokens")
 
-        self.runner = ModelRunner(loaded.model, self.device, config.block_size, cpu_model=cpu_model)
+        self.runner = ModelRunner(loaded.model, self.device, config.block_size, lean_model=lean_model)
         shape = KVShape.of(loaded.hf_config)
         num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).
@@ -90,6 +113,12 @@ class EngineCore(EngineBase):
                          model_facts.eos_token_ids(loaded.hf_config, loaded.generation_config),
                          use_priority=config.scheduling_policy == "priority")
         self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids, config.seed)
+        # Asynchronous scheduling: the host schedules and prepares step k+1 while the device computes step k.
+        # On by default where a device computes beside the host (CUDA); on the CPU the forward pass is the host's
+        # own work, so there it would only delay each token by a step.
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self.pending: _Launched | None = None
         self.structured = StructuredOutputs(os.path.join(loaded.model_dir, "tokenizer.json"), self.vocab_size,
                                             self.eos_token_ids)
         self.grammar_compiler = self.structured.compiler
@@ -139,25 +168,44 @@ class EngineCore(EngineBase):
         return self.structured.start(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.pending is not None or self.scheduler.has_work()
 
     def load(self) -> EngineLoad:
         return EngineLoad(len(self.scheduler.running), self.scheduler.num_waiting, self.pool.usage)
 
     # --- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[tuple[bytes | None, RequestOutput]]:
-        """Run one batch: (client, output) for each sequence that got a token or failed."""
+        """Run one batch: (client, output) for each sequence that got a token or failed. Under asynchronous
+        scheduling the outputs are those of the step before: this step's are still being computed."""
+        outputs = []
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.needs_host_tokens:
+            outputs += self._resolve(pending)  # a grammar or a penalty needs its tokens before the next step
+            pending = None
+        launched = self._launch(pending)
+        if pending is not None:
+            outputs += self._resolve(pending)
+        if launched is not None:
+            self._account(launched)
+            if self.async_scheduling:
+                self.pending = launched
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    def _launch(self, pending: _Launched | None) -> _Launched | None:
+        """Schedule a batch and queue its forward pass and sampling. A token still pending from the step before
+        is read on the device, where that step sampled it (its place in token_ids holds -1 - its row)."""
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return None
         inputs = self.runner.prepare(batch.entries)
+        if pending is not None and pending.seqs:
+            _read_pending_tokens(inputs.input_ids, pending.sampled.token_ids)
         self.kv_cache.copy_blocks(batch.block_copies)
         logits = self.runner.forward(inputs)
         if inputs.prompt_runs:
             logits = self._keep_prompt_logprobs(logits, inputs)
-        for seq, n in batch.entries:
-            seq.num_computed_tokens += n
-            self.pool.register_full_blocks(seq)
 
         seqs, rows = [], []
         for row, seq in enumerate(inputs.sample_seqs):
@@ -167,22 +215,43 @@ class EngineCore(EngineBase):
                 seqs.append(child)
                 rows.append(row)
         if len(rows) != len(inputs.sample_seqs):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[to_device(rows, logits.device)]
         allowed = self.structured.mask(seqs)
+        sampled: SampledTokens | SampleResult
         try:
-            result = self.sampler.sample(logits, seqs, allowed)
+            sampled = self.sampler.launch(logits, seqs, allowed)
         except Exception:
             log.exception("sampling %d rows at once failed: sampling them one by one", len(seqs))
-            result = self.sampler.sample_each(logits, seqs, allowed)
+            sampled = self.sampler.sample_each(logits, seqs, allowed)
+        positions: list[int | None] = []
+        for row, seq in enumerate(seqs):
+            if seq.sampling.max_tokens == 0:  # the prompt's logprobs only: no token
+                positions.append(None)
+                continue
+            positions.append(seq.num_tokens)
+            seq.token_ids.append(-1 - row)  # a placeholder until the token is on the host
+        needs_host_tokens = any(seq.grammar is not None or seq.sampling.penalized for seq in seqs)
+        return _Launched(batch.entries, seqs, positions, sampled, needs_host_tokens)
 
+    def _account(self, launched: _Launched) -> None:
+        """The step's tokens are in the cache: count them, and offer the blocks they filled to the prefix cache."""
+        for seq, n in launched.entries:
+            if not seq.finished:
+                seq.num_computed_tokens += n
+                self.pool.register_full_blocks(seq)
+
+    def _resolve(self, launched: _Launched) -> list[tuple[bytes | None, RequestOutput]]:
+        """Wait for a launched step's tokens and report them."""
+        result = launched.sampled if isinstance(launched.sampled, SampleResult) else launched.sampled.result()
         outputs = []
-        for seq, error in zip(seqs, result.errors or ()):
+        for seq, error in zip(launched.seqs, result.errors or ()):
             key = (seq.client, seq.request_id)
             if error is not None and key in self.requests:
                 outputs += self.fail_request(key, error)
-        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs):
-            if not seq.finished:  # else its request just failed
-                outputs.append(self._emit(seq, token, logprobs))
+        for seq, position, token, logprobs in zip(launched.seqs, launched.positions, result.token_ids,
+                                                  result.logprobs):
+            if not seq.finished:  # else it finished (or failed, or was aborted) after this step was launched
+                outputs.append(self._emit(seq, token, logprobs, position))
         return outputs
 
     @staticmethod

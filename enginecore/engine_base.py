@@ -243,8 +243,10 @@ class EngineBase:
         parent.pending_forks = []
         return children
 
-    def _emit(self, seq: Sequence, token: int, logprobs) -> tuple[bytes | None, RequestOutput]:
-        """seq's new token is `token`: append it, see whether seq is finished, and say so to its client."""
+    def _emit(self, seq: Sequence, token: int, logprobs, position: int | None = None) -> tuple[bytes | None, RequestOutput]:
+        """seq's new token is `token`: put it in place, see whether seq is finished, and say so to its client.
+        position: where it goes in seq.token_ids, on a placeholder the step left there (under asynchronous
+        scheduling the next step's placeholder may follow it already); None: append it."""
         prompt_logprobs = seq.pending_prompt_logprobs
         if prompt_logprobs is not None:
             seq.pending_prompt_logprobs = None
@@ -254,8 +256,12 @@ class EngineBase:
         elif seq.grammar is not None and not seq.grammar.accept(token):  # the grammar refuses it: this choice fails
             new, token_logprobs, finish, stop, error = [], None, FinishReason.ERROR, None, seq.grammar.error
         else:
-            seq.token_ids.append(token)
-            finish, stop = self._finish_reason(seq, token)
+            if position is None:
+                position = seq.num_tokens
+                seq.token_ids.append(token)
+            else:
+                seq.token_ids[position] = token
+            finish, stop = self._finish_reason(seq, token, position + 1)
             new, token_logprobs = [token], [logprobs] if logprobs is not None else None
         output = RequestOutput(seq.request_id, new, seq.index, finish, stop, seq.num_prompt_tokens,
                                seq.num_cached_tokens, token_logprobs, prompt_logprobs, error)
@@ -265,16 +271,18 @@ class EngineBase:
                 self.num_finished += 1
         return seq.client, output
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str | None, int | None]:
+        """Whether seq ends with `token`, its num_tokens-th token."""
         p = seq.sampling
-        if seq.num_output_tokens >= p.min_tokens:
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if token in p.stop_token_ids:
                 return FinishReason.STOP, token
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP, None
         if seq.grammar is not None and seq.grammar.done:  # the constrained output is complete
             return FinishReason.STOP, None
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 

@@ -13,6 +13,8 @@ import numpy as np
 import psutil
 import torch
 
+from enginecore.host_to_device import to_device
+
 log = logging.getLogger(__name__)
 
 # On the CPU the KV cache takes at most this share of the memory available at start-up by default.
@@ -57,8 +59,8 @@ class KVCache:
         """Copy whole blocks (copy-on-write of a shared block), in every layer at once."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
-        dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
+        src = to_device([s for s, _ in copies], self.tensor.device)
+        dst = to_device([d for _, d in copies], self.tensor.device)
         self.tensor[:, :, dst] = self.tensor[:, :, src]
 
 

@@ -1,8 +1,8 @@
 """ModelRunner: one forward pass of the transformers model over a packed step, logits for the rows sampled.
 
 The model's attention is switched to the engine's paged attention (enginecore.attention); the model runs with
-use_cache=False because the engine owns the KV cache. On the CPU a Llama-architecture model runs the lean
-forward of enginecore.cpu_model instead (same weights, same attention, far fewer ops).
+use_cache=False because the engine owns the KV cache. A Llama-architecture model runs the lean forward of
+enginecore.lean_model instead, on the CPU and on CUDA (same weights, same attention, far fewer ops).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, kv_cache: KVCache | None = None,
-                 cpu_model=None):
+                 lean_model=None):
         self.model = model
-        self.cpu_model = cpu_model  # enginecore.cpu_model.CpuLlama, or None: transformers' forward
+        self.lean_model = lean_model  # enginecore.lean_model.LeanLlama, or None: transformers' forward
         self.device = device
         self.block_size = block_size
         self.kv_cache = kv_cache
@@ -52,8 +52,8 @@ class ModelRunner:
         attention.current.step = inputs.attention
         attention.current.kv_cache = self.kv_cache
         try:
-            if self.cpu_model is not None:
-                return self.cpu_model.forward(inputs.input_ids[0], inputs.positions[0], inputs.sample_rows)
+            if self.lean_model is not None:
+                return self.lean_model.forward(inputs.input_ids[0], inputs.positions[0], inputs.sample_rows)
             out = self.model(
                 input_ids=inputs.input_ids,
                 position_ids=inputs.positions,

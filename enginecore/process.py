@@ -83,8 +83,8 @@ def _serve(launch: EngineLaunch) -> None:
     ready.send(EngineReady(rank, info, address))
     ready.close()
     # Not "serving": that word is the supervisor's line once the whole group serves (tests wait for it).
-    log.info("ready: %s on %s, %d KV blocks, listening at %s", config.model_name, info.device, info.num_kv_blocks,
-             address)
+    log.info("ready: %s on %s, %d KV blocks, asynchronous scheduling %s, listening at %s", config.model_name,
+             info.device, info.num_kv_blocks, "on" if getattr(core, "async_scheduling", False) else "off", address)
 
     server = EngineServer(core, router, config.engine_step_timeout)  # the router is its I/O thread's from here
     try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from enginecore.engine_base import one_line
+from enginecore.host_to_device import to_device
 from enginecore.sequence import Sequence
 from enginecore.structured_output import TokenMask
 
@@ -35,6 +36,43 @@ class SampleResult:
     errors: list[str | None] | None = None  # sample_each only: per row, why it could not be sampled (None: it was)
 
 
+class SampledTokens:
+    """A step's sampled tokens (and logprobs) on their way to the host: the device work is queued and the copies
+    to the host started; result() waits for those copies only, not for whatever the device runs after them (the
+    next step's forward pass, under asynchronous scheduling). `token_ids` stays on the device: the next step's
+    input rows read it there."""
+
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, want: list[int | None]):
+        self.token_ids = tokens
+        self.want = want
+        self._host: list[torch.Tensor] = [tokens]
+        if raw_logprobs is not None:
+            k_max = min(MAX_LOGPROBS, max((k or 0) for k in want if k is not None))
+            self._host.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
+            if k_max > 0:
+                top = torch.topk(raw_logprobs, k_max, dim=-1)
+                self._host += [top.values, top.indices]
+        self._ready = None
+        if tokens.device.type == "cuda":
+            self._host = [_to_host(t) for t in self._host]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> SampleResult:
+        if self._ready is not None:
+            self._ready.synchronize()
+        lists = [t.tolist() for t in self._host]
+        if len(lists) == 1:
+            return SampleResult(lists[0], [None] * len(lists[0]))
+        top_vals, top_ids = (lists[2], lists[3]) if len(lists) == 4 else (None, None)
+        return SampleResult(lists[0], _logprob_entries(lists[1], top_vals, top_ids, self.want))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0):
         self.vocab_size = vocab_size
@@ -43,9 +81,13 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
         """allowed: the step's TokenMask for its constrained rows, or None."""
+        return self.launch(logits, seqs, allowed).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampledTokens:
+        """sample() without waiting: the tokens stay on the device, their copy to the host started."""
         params = [s.sampling for s in seqs]
         greedy = [p.greedy for p in params]
         penalized = [i for i, (s, p) in enumerate(zip(seqs, params)) if p.repetition_penalty != 1.0
@@ -57,8 +99,8 @@ class Sampler:
         logits = work
         if allowed is not None:
             allowed.apply(logits)
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        want = [p.logprobs for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
 
         self._apply_penalties(logits, seqs, penalized)
         self._apply_min_tokens(logits, seqs, barred)
@@ -67,9 +109,7 @@ class Sampler:
             tokens = _argmax(logits)
         else:
             tokens = self._draw(logits, seqs, greedy)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, _logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
-                            if raw_logprobs is not None else [None] * len(seqs))
+        return SampledTokens(tokens, raw_logprobs, want)
 
     def sample_each(self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenMask | None = None) -> SampleResult:
         """Each row alone (after sample() raised on the batch): a row that cannot be sampled gets its error and no
@@ -94,11 +134,11 @@ class Sampler:
             seq = seqs[i]
             p = seq.sampling
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(seq.token_ids, device=logits.device).unique()
+                seen = to_device(seq.token_ids, logits.device).unique()
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                out = torch.tensor(seq.output_token_ids, device=logits.device)
+                out = to_device(seq.output_token_ids, logits.device)
                 counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
@@ -114,32 +154,32 @@ class Sampler:
         params = [s.sampling for s in seqs]
         dev = logits.device
         greedy_tokens = _argmax(logits) if any(greedy) else None
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
+        temps = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], dev)
         logits.div_(temps[:, None])
 
         top_ks = [p.top_k if 0 < p.top_k < logits.shape[1] and not g else 0 for p, g in zip(params, greedy)]
         if any(top_ks):
             k_max = max(top_ks)
             kth = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
-            ks = torch.tensor([k if k else k_max for k in top_ks], device=dev)
+            ks = to_device([k if k else k_max for k in top_ks], dev)
             threshold = kth.gather(1, (ks - 1)[:, None])
-            threshold[torch.tensor([k == 0 for k in top_ks], device=dev)] = float("-inf")
+            threshold[to_device([k == 0 for k in top_ks], dev)] = float("-inf")
             logits.masked_fill_(logits < threshold, float("-inf"))
 
         probs = torch.softmax(logits, dim=-1)
         min_ps = [p.min_p if not g else 0.0 for p, g in zip(params, greedy)]
         if any(min_ps):
-            floor = torch.tensor(min_ps, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            floor = to_device(min_ps, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs.masked_fill_(probs < floor, 0.0)
         top_ps = [p.top_p if not g else 1.0 for p, g in zip(params, greedy)]
         rows = [i for i, tp in enumerate(top_ps) if tp < 1.0]
         if rows:
-            idx = torch.tensor(rows, device=dev)
+            idx = to_device(rows, dev)
             sub = probs[idx]
             sorted_p, order = sub.sort(dim=-1, descending=True)
             cum = sorted_p.cumsum(dim=-1)
             # Drop a token when the ones before it already reach top_p (the first token always stays).
-            drop = (cum - sorted_p) > torch.tensor([top_ps[i] for i in rows], device=dev)[:, None]
+            drop = (cum - sorted_p) > to_device([top_ps[i] for i in rows], dev)[:, None]
             sub.scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
             probs[idx] = sub
 
@@ -153,7 +193,7 @@ class Sampler:
         # right=True: the first token whose cumulative probability exceeds u * total, never one of probability 0.
         tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
         if greedy_tokens is not None:
-            tokens = torch.where(torch.tensor(greedy, device=dev), greedy_tokens, tokens)
+            tokens = torch.where(to_device(greedy, dev), greedy_tokens, tokens)
         return tokens
 
 
@@ -166,23 +206,17 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list:
     """Per row: [logprob of tokens[row], [[token_id, logprob], ...top tops[row]]], of the raw distribution."""
     raw = torch.log_softmax(logits.float(), dim=-1)
-    return _logprobs(raw, torch.tensor(tokens, device=raw.device), tops)
+    return SampledTokens(to_device(tokens, raw.device), raw, list(tops)).result().logprobs
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> list:
-    """Per row: None where want is None, else [tokens[row]'s logprob, [[token_id, logprob], ...top want[row]]]."""
-    k_max = min(MAX_LOGPROBS, max((k or 0) for k in want if k is not None))
-    sampled = raw.gather(1, tokens[:, None])[:, 0].tolist()
-    top_vals = top_ids = None
-    if k_max > 0:
-        top = torch.topk(raw, k_max, dim=-1)
-        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+def _logprob_entries(sampled: list[float], top_vals: list | None, top_ids: list | None, want: list[int | None]) -> list:
+    """Per row: None where want is None, else [sampled logprob, [[token_id, logprob], ...top want[row]]]."""
     result = []
     for i, k in enumerate(want):
         if k is None:
             result.append(None)
             continue
         k = min(k, MAX_LOGPROBS)
-        tops = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k else []
+        tops = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k and top_ids is not None else []
         result.append([sampled[i], tops])
     return result

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from enginecore.attention import PrefillRun, StepAttention, VarlenAttention
+from enginecore.host_to_device import to_device
 from enginecore.sequence import Sequence
 
 
@@ -208,5 +209,4 @@ def _prefill_run(row: int, start: int, n: int, table: np.ndarray, block_size: in
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(array)
-    return t if device.type == "cpu" else t.to(device)
+    return to_device(array, device)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from enginecore.grammar_compiler import GrammarCompiler
+from enginecore.host_to_device import to_device
 
 
 class GrammarState:
@@ -74,7 +75,7 @@ class TokenMask:
         if len(self.rows) == logits.shape[0]:
             logits.masked_fill_(barred, float("-inf"))
             return
-        rows = torch.tensor(self.rows, device=logits.device)
+        rows = to_device(self.rows, logits.device)
         logits[rows] = logits[rows].masked_fill_(barred, float("-inf"))
 
     def row(self, i: int) -> TokenMask | None:

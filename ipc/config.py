@@ -34,6 +34,7 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
     seed: int = 0
     engine_ready_timeout: float = 600.0
     # One engine step running longer than this is a wedged engine: it stops answering pings (its API servers then

@@ -26,5 +26,10 @@ class SamplingParams:
     grammar: str | None = None
 
     @property
+    def penalized(self) -> bool:
+        """Any penalty that reads the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

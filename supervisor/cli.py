@@ -124,6 +124,9 @@ def _positive(click_context, param, value):
 @click.option("--scheduling-policy", default=_DEFAULTS.scheduling_policy, show_default=True,
               type=click.Choice(["fcfs", "priority"]), help="Order of waiting requests.")
 @click.option("--enforce-eager", is_flag=True, help="CUDA: no CUDA graphs.")
+@click.option("--async-scheduling/--no-async-scheduling", default=None,
+              help="Schedule and prepare the next step while the device computes this one (the outputs of a "
+                   "step go out during the next). [default: on for CUDA, off on the CPU]")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True, type=int, help="Engine random seed.")
 @click.option("--engine-ready-timeout", default=_DEFAULTS.engine_ready_timeout, show_default=True,
               type=click.FloatRange(1), help="Seconds the engine cores may take to load the model.")

@@ -62,7 +62,7 @@ def test_cpu_engine_runs_the_lean_forward_in_the_layout_measured_faster():
 
     engine = make_engine()
     model = engine.loaded.model
-    lean = engine.runner.cpu_model
+    lean = engine.runner.lean_model
     assert lean is not None, "a Llama model on the CPU runs the lean forward"
     layout = float32_layout(model)
     assert layout["row_major_s"] > 0 and layout["column_major_s"] > 0

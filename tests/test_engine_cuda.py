@@ -1,5 +1,5 @@
 """The CUDA path (skipped without a GPU): greedy tokens equal transformers' on the same GPU in float32, with CUDA
-graphs for decode steps and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
+graphs for decode steps and without, with asynchronous scheduling and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
 import pytest
 import torch
 
@@ -56,21 +56,22 @@ def references(loaded, prompts):
     return refs
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_cuda_greedy_matches_transformers(loaded, prompts, references, enforce_eager):
+@pytest.mark.parametrize("enforce_eager,async_scheduling", [(True, False), (False, False), (True, True), (False, True)])
+def test_cuda_greedy_matches_transformers(loaded, prompts, references, enforce_eager, async_scheduling):
     from enginecore.engine import EngineCore
     from ipc.config import ServeConfig
     from ipc.messages import EngineRequest
     from ipc.sampling import SamplingParams
 
     config = ServeConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=1024,
-                         max_num_batched_tokens=512, enforce_eager=enforce_eager)
+                         max_num_batched_tokens=512, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     engine = EngineCore(config, loaded=loaded)
+    assert engine.async_scheduling == async_scheduling
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
     matches = [out[(f"r{i}", 0)] == ref for i, ref in enumerate(references)]
     agreement = sum(a == b for i, ref in enumerate(references) for a, b in zip(out[(f"r{i}", 0)], ref))
-    print(f"enforce_eager={enforce_eager}: {sum(matches)}/{len(matches)} sequences equal, "
+    print(f"enforce_eager={enforce_eager} async_scheduling={async_scheduling}: {sum(matches)}/{len(matches)} sequences equal, "
           f"{agreement}/{MAX_TOKENS * len(references)} tokens")
     assert all(matches)
     assert engine.pool.num_free == engine.pool.num_blocks

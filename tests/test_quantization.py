@@ -33,7 +33,7 @@ def test_quantized_modes_keep_float32_greedy_tokens_and_loglikelihoods(mode, flo
 @pytest.mark.parametrize("mode, kernel", [("bf16", Bf16Linear), ("int8", Int8Linear)])
 def test_each_mode_multiplies_with_its_kernel(mode, kernel):
     engine = make_engine(quantization=mode)
-    lean = engine.runner.cpu_model
+    lean = engine.runner.lean_model
     assert all(isinstance(k, kernel) for layer in lean.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down))
     # bf16 logits come from a float32 head: bfloat16 inputs to it flipped float32's near-tie top tokens.
     assert isinstance(lean.head, FLOAT32_LINEARS if mode == "bf16" else kernel)
@@ -51,8 +51,8 @@ def test_auto_chooses_by_measurement_for_the_embedded_gguf_and_float_elsewhere()
     chosen, why = auto_choice(model, float32_layout(model))
     assert engine.quantization == chosen and "ms" in why
     expected = KERNELS.get(chosen, FLOAT32_LINEARS)
-    assert isinstance(engine.runner.cpu_model.layers[0].qkv, expected)
-    assert isinstance(make_engine().runner.cpu_model.layers[0].qkv, FLOAT32_LINEARS)  # the tests' float32 pin
+    assert isinstance(engine.runner.lean_model.layers[0].qkv, expected)
+    assert isinstance(make_engine().runner.lean_model.layers[0].qkv, FLOAT32_LINEARS)  # the tests' float32 pin
 
 
 @pytest.mark.parametrize("spec, device, dtype", [("int8", "cuda", torch.float32), ("bf16", "cpu", torch.bfloat16),

@@ -1,20 +1,26 @@
-"""A lean forward pass for Llama-architecture models on the CPU (SmolLM2, Llama, and models shaped like them).
+"""A lean forward pass for Llama-architecture models (SmolLM2, Llama, and models shaped like them), on the CPU and
+on CUDA.
 
-Why: a decode step of a small model on the CPU is a few milliseconds of matrix products wrapped in thousands of
-tiny torch ops. transformers' Llama layer issues about a hundred ops (separate q/k/v and gate/up products, RoPE
-through slices and a concatenation, a norm of six ops, the views around them) and as many Python module
-calls; at one stream on 2 cores those cost about as much as the products, and every op that opens an OpenMP
-region is a chance for a descheduled thread to stall the step. This forward reads the same weights from the
-transformers model and computes the same function in about twenty ops a layer:
+Why: transformers' Llama layer issues about a hundred ops (separate q/k/v and gate/up products, RoPE through
+slices and a concatenation, a norm of six ops, the views around them) and as many Python module calls. On the
+CPU, at one stream on 2 cores, those cost about as much as the products, and every op that opens an OpenMP region
+is a chance for a descheduled thread to stall the step. On a GPU each op is a kernel: in a CUDA graph's decode
+step of SmolLM2-135M at 256 sequences (H200) the small elementwise kernels took about as long as the products.
+This forward reads the same weights from the transformers model and computes the same function in about twenty
+ops a layer:
 
 - q, k and v in one product (their weights concatenated), gate and up in one, the residual adds inside the
-  o and down products (addmm), RoPE on q and k together in four ops;
+  o and down products (addmm), RoPE on q and k together in four ops, one rms_norm op per norm;
 - attention through the engine's paged attention (enginecore.attention), unchanged;
 - the final norm and the LM head only on the rows whose logits are wanted.
 
+Where a product keeps its concatenated weight as it is (torch's own product: always on CUDA, row-major float32 on
+the CPU), the transformers modules' q/k/v and gate/up weights become views of it, so the model is not held twice.
+
 Float32 results equal transformers' up to the order of additions inside the products (greedy tokens are
-checked against plain transformers by tests/test_engine_correctness.py). The products are `CpuLinear`s
-(enginecore.cpu_linear): float32 in the layout picked for this CPU, or int8.
+checked against plain transformers by tests/test_engine_correctness.py on the CPU and tests/test_engine_cuda.py
+on CUDA). The products are `LinearKernel`s (enginecore.cpu_linear): on the CPU float32 in the layout picked for
+this CPU, or int8 or bfloat16; on CUDA torch's own (cuBLAS) in the model's dtype.
 """
 from __future__ import annotations
 
@@ -26,18 +32,18 @@ import torch
 import torch.nn.functional as F
 
 from enginecore import attention
-from enginecore.cpu_linear import CpuLinear
+from enginecore.cpu_linear import LinearKernel, TorchLinear
 
 log = logging.getLogger(__name__)
 
-LinearFactory = Callable[[torch.Tensor], CpuLinear]  # a float [out, in] weight -> the kernel that multiplies by it
+LinearFactory = Callable[[torch.Tensor], LinearKernel]  # a float [out, in] weight -> the kernel that multiplies by it
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """None when `model` is a Llama-architecture model this forward computes exactly; else why not."""
     config = model.config
     if config.model_type != "llama":
-        return f"model type {config.model_type} (the lean CPU forward covers llama)"
+        return f"model type {config.model_type} (the lean forward covers llama)"
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         return "biases in attention or MLP"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -47,18 +53,44 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def device_lean_model(model: torch.nn.Module) -> LeanLlama | None:
+    """The lean forward on a GPU, with torch's own products in the model's dtype; None where transformers'
+    forward runs (a model this forward does not cover)."""
+    why_not = unsupported_reason(model)
+    if why_not:
+        log.info("transformers' forward (%s)", why_not)
+        return None
+    log.info("lean Llama forward, torch's products in %s", str(model.dtype).removeprefix("torch."))
+    return LeanLlama(model, TorchLinear)
+
+
+@torch.no_grad()
+def _fused(make_linear: LinearFactory, modules: list[torch.nn.Linear]) -> LinearKernel:
+    """One product for several Linears of the same input: their weights stacked. Where the kernel keeps the
+    stacked weight as it is, the modules' weights become views of it (one copy of the model, not two)."""
+    weight = torch.cat([m.weight for m in modules])
+    linear = make_linear(weight)
+    if getattr(linear, "weight", None) is weight:
+        at = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight.data = weight[at:at + rows]
+            at += rows
+    return linear
+
+
 @dataclass
 class _Layer:
     layer_idx: int  # what paged_attention reads from its `module` argument
     input_norm: torch.Tensor
-    qkv: CpuLinear
-    o: CpuLinear
+    qkv: LinearKernel
+    o: LinearKernel
     post_norm: torch.Tensor
-    gate_up: CpuLinear
-    down: CpuLinear
+    gate_up: LinearKernel
+    down: LinearKernel
 
 
-class CpuLlama:
+class LeanLlama:
     def __init__(self, model: torch.nn.Module, make_linear: LinearFactory, make_head: LinearFactory | None = None):
         base = model.model
         config = model.config
@@ -80,14 +112,14 @@ class CpuLlama:
         return _Layer(
             layer_idx=index,
             input_norm=layer.input_layernorm.weight,
-            qkv=make_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+            qkv=_fused(make_linear, [a.q_proj, a.k_proj, a.v_proj]),
             o=make_linear(a.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            gate_up=_fused(make_linear, [m.gate_proj, m.up_proj]),
             down=make_linear(m.down_proj.weight),
         )
 
-    def linears(self) -> list[CpuLinear]:
+    def linears(self) -> list[LinearKernel]:
         return [k for layer in self.layers for k in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
 
     @torch.inference_mode()
