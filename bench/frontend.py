@@ -37,7 +37,6 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from closed_loop_clients import ClosedLoopClients  # noqa: E402
-from grpc_clients import GENERATE_PATH, generate_body, grpc_client_process  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body  # noqa: E402
 from process_usage import cpu_seconds, cpu_spent, rss_mb, titled_children, torch_loaded  # noqa: E402
@@ -92,8 +91,17 @@ def phase_plan(model: str, args) -> dict[str, tuple[bytes, int]]:
     }
 
 
+def grpc_clients_module():
+    """bench/grpc_clients.py, imported for --grpc only: it needs smg-grpc-proto, which a machine that runs the
+    HTTP figures alone (the GPU machine) may lack."""
+    import grpc_clients
+
+    return grpc_clients
+
+
 def grpc_phase_plan(prompt: list[int], args) -> dict[str, tuple[bytes, int]]:
     """phase_plan's phases as Generate calls: the same prompt tokens, the same counts of output tokens."""
+    generate_body = grpc_clients_module().generate_body
     return {
         "requests": (generate_body(prompt, 1, stream=False, ignore_eos=False), 1),
         "streams": (generate_body(prompt, args.stream_tokens, stream=True, ignore_eos=True), args.stream_tokens),
@@ -117,7 +125,7 @@ def chat_prompt_ids(server) -> list[int]:
 def run_phase(clients: ClosedLoopClients, url: str, body: bytes, tokens: int, concurrency: int,
               api: dict[str, psutil.Process], others: dict[str, psutil.Process], args) -> dict:
     """One closed-loop phase; `api` are the processes charged, `others` are watched (engine, supervisor)."""
-    path = GENERATE_PATH if url.startswith("grpc://") else CHAT_PATH
+    path = grpc_clients_module().GENERATE_PATH if url.startswith("grpc://") else CHAT_PATH
     if args.warmup > 0:
         clients.run(url, path, body, concurrency, args.warmup, tokens)
     watched = {**api, **others}
@@ -257,7 +265,8 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     clients = ClosedLoopClients(args.client_processes)
-    grpc_clients = ClosedLoopClients(args.client_processes, worker=grpc_client_process) if args.grpc else None
+    grpc_clients = ClosedLoopClients(args.client_processes, worker=grpc_clients_module().grpc_client_process) \
+        if args.grpc else None
     rows = []
     try:
         for count in args.servers:

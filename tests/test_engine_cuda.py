@@ -151,6 +151,6 @@ def test_varlen_step_matches_per_sequence_attention():
             attention.current.step = build_step_inputs(entries, 16, device, padding, varlen=varlen).attention
             assert (attention.current.step.varlen is not None) == varlen
             # Only the real rows: padding rows all write the scratch slot, and which write lands is up to the GPU.
-            outs.append(attention.paged_attention(module, q, k, v, None, scaling=0.125)[0, :real].float())
+            outs.append(attention.paged_attention(module, q, k, v, None, scaling=0.125)[0][0, :real].float())
         attention.current.step = None
         torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
