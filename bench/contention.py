@@ -83,6 +83,8 @@ def start_child(setting: str, args) -> subprocess.Popen:
         env["OMP_NUM_THREADS"] = threads
     if policy == "spin":
         env.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="300000")
+    elif policy.startswith("spin="):  # spin this many rounds, then sleep
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin=")
     elif policy:
         env["OMP_WAIT_POLICY"] = policy.upper()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", setting, "--output-len", str(args.output_len),

@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="the CPU's products: auto, none, bf16, int8")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
@@ -139,7 +140,7 @@ def main() -> None:
     load_format = "dummy" if args.tiny else args.load_format
     steps = args.steps
     config = ServeConfig(model=model, device=args.device, dtype=args.dtype, load_format=load_format,
-                         max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
+                         quantization=args.quantization, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                          enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 2 * steps + 64, enable_prefix_caching=False,
                          async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     core = EngineCore(config)

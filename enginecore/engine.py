@@ -29,7 +29,7 @@ import torch
 from enginecore import model_facts
 from enginecore.block_pool import KVBlockPool
 from enginecore.cpu_setup import prepare_cpu_model, resolve_quantization
-from enginecore.cpu_threads import set_cpu_threads
+from enginecore.cpu_threads import ThreadGovernor, set_cpu_threads
 from enginecore.engine_base import BadEngineSetting, EngineBase, EngineLoad
 from enginecore.host_to_device import to_device
 from enginecore.lean_model import device_lean_model
@@ -76,8 +76,10 @@ class EngineCore(EngineBase):
         if loaded is None:
             loaded = load_model(config.model, config.device, config.dtype, load_format=config.load_format)
         self.quantization = resolve_quantization(config.quantization, config.model, loaded.device, loaded.dtype)
+        self.thread_governor = None
         if loaded.device.type == "cpu":
             set_cpu_threads()
+            self.thread_governor = ThreadGovernor.for_this_machine()
             lean_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
         else:
             lean_model = device_lean_model(loaded.model)
@@ -177,6 +179,8 @@ class EngineCore(EngineBase):
     def step(self) -> list[tuple[bytes | None, RequestOutput]]:
         """Run one batch: (client, output) for each sequence that got a token or failed. Under asynchronous
         scheduling the outputs are those of the step before: this step's are still being computed."""
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         outputs = []
         pending, self.pending = self.pending, None
         if pending is not None and pending.needs_host_tokens:

@@ -1,5 +1,6 @@
-"""The engine's CPU threads: every usable core with OpenMP waits that sleep (PASSIVE) by default, so a busy
-neighbour or the API servers get a core back at once; OMP_NUM_THREADS and OMP_WAIT_POLICY still win."""
+"""The engine's CPU threads: every usable core at start, OpenMP waits that spin briefly and then sleep
+(GOMP_SPINCOUNT=enginecore.SPIN_ROUNDS) and a thread governor that follows a busy neighbour (tests/
+test_thread_governor.py); OMP_NUM_THREADS (no governor then), OMP_WAIT_POLICY and GOMP_SPINCOUNT still win."""
 import json
 import os
 import subprocess
@@ -11,8 +12,10 @@ import json, os
 import enginecore
 import torch
 from enginecore.cpu_threads import set_cpu_threads, usable_cores
-print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "threads": set_cpu_threads(),
-                  "torch": torch.get_num_threads(), "cores": usable_cores()}))
+from enginecore.cpu_threads import ThreadGovernor
+print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "spin": os.environ.get("GOMP_SPINCOUNT"),
+                  "threads": set_cpu_threads(), "torch": torch.get_num_threads(), "cores": usable_cores(),
+                  "governed": ThreadGovernor.for_this_machine() is not None}))
 """
 
 
@@ -23,13 +26,18 @@ def _probe(**env) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_default_is_every_core_with_passive_waits():
+def test_default_is_every_core_with_brief_spins_and_a_governor():
+    import enginecore
+
     got = _probe()
-    assert got["policy"] == "PASSIVE"
+    assert got["policy"] is None and got["spin"] == enginecore.SPIN_ROUNDS
     assert got["threads"] == got["torch"] == got["cores"]
+    assert got["governed"]
 
 
 def test_operator_settings_win():
     got = _probe(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="ACTIVE")
-    assert got["policy"] == "ACTIVE"
+    assert got["policy"] == "ACTIVE" and got["spin"] is None
     assert got["threads"] == got["torch"] == 1
+    assert not got["governed"]
+    assert _probe(GOMP_SPINCOUNT="50")["spin"] == "50"
