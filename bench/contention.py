@@ -1,8 +1,8 @@
 """The engine's decode speed alone and beside a busy neighbour, for each way of choosing its thread count.
 
 A neighbour is `--hogs` processes spinning in a loop (default: half the cores, one on a 2-core box). For each
-thread setting (the engine's default: every core, PASSIVE OpenMP waits; fixed OMP_NUM_THREADS values; libgomp's
-spinning waits), a child process loads the engine as `supervise` would and times greedy decoding of
+thread setting (the engine's default: brief OpenMP spins and the thread governor of enginecore/cpu_threads.py;
+fixed OMP_NUM_THREADS values; sleeping, spinning or N-round waits), a child process loads the engine as `supervise` would and times greedy decoding of
 `--streams` streams, rounds alternating alone / beside the hogs; the table gives medians and the slowdown.
 Target (issue 16): beside one busy core of two, no more than 1.5x slower than alone.
 
@@ -27,9 +27,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cores = len(os.sched_getaffinity(0))
     p.add_argument("--threads", nargs="+", default=["default", "1", f"{cores}:spin"],
-                   help="settings to compare: default (the engine's: every core, PASSIVE waits) or a fixed "
-                        "OMP_NUM_THREADS, each optionally with ':spin' (libgomp's own default: spin 300,000 "
-                        "rounds, then sleep) or ':active' (spin only)")
+                   help="settings to compare: default (the engine's: brief spins, the thread governor) or a fixed "
+                        "OMP_NUM_THREADS, each optionally with ':passive' (sleep at once), ':spin' (libgomp's own "
+                        "default: spin 300,000 rounds, then sleep), ':spin=N' (N rounds) or ':active' (spin only)")
     p.add_argument("--hogs", type=int, default=max(1, cores // 2), help="busy processes beside the engine")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     p.add_argument("--output-len", type=int, default=48)
