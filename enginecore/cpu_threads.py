@@ -14,9 +14,9 @@ Threads that spin a little between parallel regions catch the next one (a decode
 PASSIVE thread pays a futex wake-up for each), so two spinning threads are the fastest alone. Beside a busy core
 they are the slowest: a spinning thread holds the core its partner or the neighbour needs. One thread is steady.
 So the engine spins briefly (GOMP_SPINCOUNT=enginecore.SPIN_ROUNDS, set before torch loads libgomp) and a
-`ThreadGovernor` follows the cores it can actually have: every quarter of a second it reads how much CPU this process used
-and how much of the machine sat idle (/proc/stat), and runs as many threads as those two add up to (at least
-one, at most the usable cores), changing only when two readings in a row agree. Alone it runs every core; beside a
+`ThreadGovernor` follows the cores it can actually have: every tenth of a second it reads how much CPU this process
+used and how much of the machine sat idle (/proc/stat), and runs as many threads as those two add up to, rounded
+(at least one, at most the usable cores), changing only when three readings in a row agree. Alone it runs every core; beside a
 neighbour that takes a core it drops to what is left, and comes back when the core is free again.
 
 OMP_NUM_THREADS fixes the count (no governor); OMP_WAIT_POLICY or GOMP_SPINCOUNT set the waits.
@@ -69,8 +69,8 @@ def machine_idle_cores() -> Callable[[], float]:
 class ThreadGovernor:
     """Runs as many torch threads as the cores this process can have (see the module's docstring)."""
 
-    INTERVAL = 0.25  # seconds between readings (/proc/stat counts in 10 ms ticks)
-    AGREE = 2  # readings in a row that must ask for the same change
+    INTERVAL = 0.1  # seconds between readings (/proc/stat counts in 10 ms ticks: a tenth of a core per tick here)
+    AGREE = 3  # readings in a row that must ask for the same change
 
     def __init__(self, max_threads: int, idle_seconds: Callable[[], float], clock: Callable[[], float] = time.monotonic,
                  cpu_seconds: Callable[[], float] = time.process_time,
@@ -100,7 +100,9 @@ class ThreadGovernor:
         elapsed = now - self._last[0]
         own, free = (cpu - self._last[1]) / elapsed, (idle - self._last[2]) / elapsed
         self._last = (now, cpu, idle)
-        wanted = max(1, min(self.max_threads, int(own + free + 0.25)))
+        # Rounded: beside API servers that take a few tenths of a core every core still pays; beside a neighbour
+        # that takes a whole one, a thread fewer does.
+        wanted = max(1, min(self.max_threads, round(own + free)))
         self._wanted = (self._wanted + [wanted])[-self.AGREE:]
         if wanted != self.threads and self._wanted == [wanted] * self.AGREE:
             log.info("CPU threads %d -> %d: this engine used %.2f cores and %.2f sat idle", self.threads, wanted,
