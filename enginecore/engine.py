@@ -55,7 +55,7 @@ class _Launched:
     seqs: list[Sequence]  # one per sampled row (a forked choice shares its parent's row)
     positions: list[int | None]  # where each row's token goes in its token_ids; None: no token (max_tokens 0)
     sampled: SampledTokens | SampleResult
-    needs_host_tokens: bool  # a row's next step needs this token on the host (a grammar, a penalty)
+    needs_host_tokens: bool  # resolve before the next launch (a grammar, a penalty, or rows sampled one by one)
 
 
 def _read_pending_tokens(input_ids: torch.Tensor, pending_tokens: torch.Tensor) -> None:
@@ -234,7 +234,9 @@ class EngineCore(EngineBase):
                 continue
             positions.append(seq.num_tokens)
             seq.token_ids.append(-1 - row)  # a placeholder until the token is on the host
-        needs_host_tokens = any(seq.grammar is not None or seq.sampling.penalized for seq in seqs)
+        # Rows sampled one by one have their tokens on the host already, not where the next step would read them.
+        needs_host_tokens = isinstance(sampled, SampleResult) or any(
+            seq.grammar is not None or seq.sampling.penalized for seq in seqs)
         return _Launched(batch.entries, seqs, positions, sampled, needs_host_tokens)
 
     def _account(self, launched: _Launched) -> None:

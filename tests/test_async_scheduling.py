@@ -83,6 +83,17 @@ def test_same_outputs_across_preemption(prompts):
     _compare(prompts, requests, kv_cache_memory=(sizes // 2) * engine_block_bytes())
 
 
+def test_a_row_the_sampler_cannot_take_fails_alone_as_step_by_step(prompts):
+    """A batch whose sampling raises is sampled row by row (its tokens then on the host, not on the device where
+    the next step would read them): the bad request fails, the others go on, as without asynchronous scheduling."""
+    bad = EngineRequest("bad", prompts[0], SamplingParams(max_tokens=8, temperature=1.0, top_p="x", n=2))
+    requests = [EngineRequest("greedy", prompts[1], SamplingParams(max_tokens=12, temperature=0.0)), bad,
+                EngineRequest("seeded", prompts[2], SamplingParams(max_tokens=12, temperature=0.8, seed=7))]
+    outputs = _compare(prompts, requests)
+    assert [o[1] for o in outputs[("bad", 0)]] == ["error"]
+    assert sum(len(o[0]) for o in outputs[("greedy", 0)]) > 1
+
+
 def test_abort_while_a_step_is_in_flight(prompts):
     """An abort between steps: the aborted choice's pending token is dropped, nothing of it comes out after its
     'abort' output, the others go on exactly as without the abort, and every block comes back."""
