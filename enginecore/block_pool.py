@@ -60,6 +60,11 @@ class KVBlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def ref_counts(self) -> list[int]:
+        """Every block's reference count, by block id (read only: the pool's verbs change it)."""
+        return self._ref_count
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
 

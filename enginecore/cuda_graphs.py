@@ -81,11 +81,13 @@ class CudaGraphRunner:
             return None  # some prefill in the batch, or too many rows
         context = 0
         for seq, _ in entries:
-            if seq.num_computed_tokens + 1 != seq.num_tokens:
+            length = seq.num_computed_tokens + 1
+            if length != len(seq.token_ids):
                 # A one-token chunk of a prompt, not a decode: a graph samples every row, and this row is not
                 # to be sampled (it may owe prompt logprobs instead).
                 return None
-            context = max(context, seq.num_computed_tokens + 1)
+            if length > context:
+                context = length
         ctx_blocks = -(-context // self.block_size)
         if ctx_blocks > self.block_buckets[-1]:
             return None

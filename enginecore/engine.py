@@ -38,7 +38,7 @@ from enginecore.loader import LoadedModel, load_model
 from enginecore.model_runner import ModelRunner
 from enginecore.sampler import SampledTokens, SampleResult, Sampler, prompt_logprobs
 from enginecore.scheduler import Scheduler
-from enginecore.sequence import Sequence
+from enginecore.sequence import Sequence, SequenceStatus
 from enginecore.structured_output import StructuredOutputs
 from ipc.config import ServeConfig
 from ipc.messages import RequestOutput
@@ -211,15 +211,17 @@ class EngineCore(EngineBase):
         if inputs.prompt_runs:
             logits = self._keep_prompt_logprobs(logits, inputs)
 
-        seqs, rows = [], []
-        for row, seq in enumerate(inputs.sample_seqs):
-            seqs.append(seq)
-            rows.append(row)
-            for child in self._fork(seq):
-                seqs.append(child)
+        seqs = inputs.sample_seqs
+        if any(seq.pending_forks for seq in seqs):  # a prompt just computed forks its other choices
+            seqs, rows = [], []
+            for row, seq in enumerate(inputs.sample_seqs):
+                seqs.append(seq)
                 rows.append(row)
-        if len(rows) != len(inputs.sample_seqs):
-            logits = logits[to_device(rows, logits.device)]
+                for child in self._fork(seq):
+                    seqs.append(child)
+                    rows.append(row)
+            if len(rows) != len(inputs.sample_seqs):
+                logits = logits[to_device(rows, logits.device)]
         allowed = self.structured.mask(seqs)
         sampled: SampledTokens | SampleResult
         try:
@@ -228,23 +230,33 @@ class EngineCore(EngineBase):
             log.exception("sampling %d rows at once failed: sampling them one by one", len(seqs))
             sampled = self.sampler.sample_each(logits, seqs, allowed)
         positions: list[int | None] = []
+        needs_host_tokens = False
         for row, seq in enumerate(seqs):
-            if seq.sampling.max_tokens == 0:  # the prompt's logprobs only: no token
+            sampling = seq.sampling
+            if seq.grammar is not None or sampling.penalized:
+                needs_host_tokens = True
+            if sampling.max_tokens == 0:  # the prompt's logprobs only: no token
                 positions.append(None)
                 continue
-            positions.append(seq.num_tokens)
-            seq.token_ids.append(-1 - row)  # a placeholder until the token is on the host
+            token_ids = seq.token_ids
+            positions.append(len(token_ids))
+            token_ids.append(-1 - row)  # a placeholder until the token is on the host
         # Rows sampled one by one have their tokens on the host already, not where the next step would read them.
-        needs_host_tokens = isinstance(sampled, SampleResult) or any(
-            seq.grammar is not None or seq.sampling.penalized for seq in seqs)
+        needs_host_tokens = needs_host_tokens or isinstance(sampled, SampleResult)
         return _Launched(batch.entries, seqs, positions, sampled, needs_host_tokens)
 
     def _account(self, launched: _Launched) -> None:
         """The step's tokens are in the cache: count them, and offer the blocks they filled to the prefix cache."""
+        pool = self.pool
+        block_size = pool.block_size
+        caching = pool.enable_prefix_caching
+        finished = SequenceStatus.FINISHED
         for seq, n in launched.entries:
-            if not seq.finished:
-                seq.num_computed_tokens += n
-                self.pool.register_full_blocks(seq)
+            if seq.status is not finished:
+                computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+                # A block fills every block_size tokens: only then has the pool something to register.
+                if caching and computed // block_size > seq.num_registered_blocks:
+                    pool.register_full_blocks(seq)
 
     def _resolve(self, launched: _Launched) -> list[tuple[bytes | None, RequestOutput]]:
         """Wait for a launched step's tokens and report them."""
@@ -254,10 +266,11 @@ class EngineCore(EngineBase):
             key = (seq.client, seq.request_id)
             if error is not None and key in self.requests:
                 outputs += self.fail_request(key, error)
+        emit, finished = self._emit, SequenceStatus.FINISHED
         for seq, position, token, logprobs in zip(launched.seqs, launched.positions, result.token_ids,
                                                   result.logprobs):
-            if not seq.finished:  # else it finished (or failed, or was aborted) after this step was launched
-                outputs.append(self._emit(seq, token, logprobs, position))
+            if seq.status is not finished:  # else it finished (or failed, or was aborted) after this step was launched
+                outputs.append(emit(seq, token, logprobs, position))
         return outputs
 
     @staticmethod

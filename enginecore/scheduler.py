@@ -44,6 +44,8 @@ class Scheduler:
         # Keep a few blocks free for the running sequences' next tokens before admitting a new prompt,
         # so admissions do not cause a preemption on the very next step.
         self._watermark = max(1, pool.num_blocks // 100)
+        # Skip the pool for a decode that needs nothing of it (tests turn it off to compare the two paths).
+        self.fast_decode = True
 
     # --- queue ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -80,14 +82,29 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         # Decodes (one token) before the rest, each group in priority order.
-        order = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        order += [s for s in self.running if s.num_uncomputed_tokens != 1]
+        order: list[Sequence] = []
+        rest: list[Sequence] = []
+        for s in self.running:
+            (order if len(s.token_ids) - s.num_computed_tokens == 1 else rest).append(s)
+        order += rest
+        block_size = self.pool.block_size
+        ref_count = self.pool.ref_counts
+        running = SequenceStatus.RUNNING
         for seq in order:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted by one before it in this loop
+            if seq.status is not running:  # preempted by one before it in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
+            table = seq.block_table
+            # Fast path of a decode: its token goes into its last block, which has room and which no other
+            # sequence holds. The pool would find nothing to do (no new block, no copy), so it is not asked.
+            if (n == 1 and self.fast_decode and computed // block_size == len(table) - 1
+                    and ref_count[table[-1]] == 1):
+                scheduled[seq] = 1
+                budget -= 1
+                continue
             while not self._reserve(seq, n, batch.block_copies):
                 victim = self.running[-1]
                 budget += self._preempt_lowest_running(scheduled)

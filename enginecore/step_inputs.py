@@ -7,6 +7,7 @@ Built with numpy on the host in one pass per step, so the per-layer attention co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -49,15 +50,28 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
     attention call per prefill run."""
     if padding is not None:
         return _padded_decode_inputs(entries, block_size, device, padding, varlen)
-    ids: list[int] = []
-    starts: list[int] = []  # first new position of each entry
-    sample_rows: list[int] = []
-    sample_seqs: list[Sequence] = []
+    # The leading single-token entries (decodes, or one-token prompt chunks) as arrays, the rest one by one.
+    d = 0
+    while d < len(entries) and entries[d][1] == 1:
+        d += 1
+    dec_ids, dec_pos, dec_slots, dec_tokens, dec_logprobs = _single_token_rows(entries[:d], block_size)
+    sampled = dec_pos + 1 == dec_tokens  # its last known token is in: the logits give its next token
+    sample_rows = np.flatnonzero(sampled)
+    sample_seqs = [seq for seq, _ in entries[:d]] if len(sample_rows) == d else \
+        [entries[i][0] for i in sample_rows.tolist()]
+    ids: list[int] = []  # of the entries after the leading single-token ones
+    starts: list[int] = []  # first new position of each of those entries
+    rest_sample_rows: list[int] = []
     prompt_runs: list[tuple[Sequence, int, int]] = []
     prompt_rows: list[int] = []
-    num_decodes = 0
-    row = 0
-    for seq, n in entries:
+    num_decodes = d
+    for i in np.flatnonzero(dec_logprobs).tolist():
+        seq, start = entries[i][0], int(dec_pos[i])
+        if max(start, seq.num_prompt_logprobs) < min(start + 1, seq.num_prompt_tokens - 1):
+            prompt_runs.append((seq, start, 1))
+            prompt_rows.append(i)
+    row = d
+    for seq, n in entries[d:]:
         start = seq.num_computed_tokens
         if n == 1:
             ids.append(seq.token_ids[start])
@@ -72,19 +86,26 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
                 prompt_rows.extend(range(row + first - start, row + end - start))
         row += n
         if start + n == seq.num_tokens:  # its last known token is in: the logits give its next token
-            sample_rows.append(row - 1)
+            rest_sample_rows.append(row - 1)
             sample_seqs.append(seq)
 
     positions = np.empty(row, dtype=np.int64)
     slots = np.empty(row, dtype=np.int64)
+    positions[:d] = dec_pos
+    slots[:d] = dec_slots
     prefills: list[PrefillRun] = []
     # varlen: every run's context blocks and real context length, decodes first.
     run_blocks: list[list[int] | np.ndarray] = []
     k_lens = np.empty(len(entries), dtype=np.int64)
+    k_lens[:d] = dec_pos + 1
     decode_ctx = k_lens[:num_decodes]
-    r = 0
-    for i, (seq, n) in enumerate(entries):
-        start = starts[i]
+    if varlen and d:
+        run_blocks.append(_flat_tables([seq.block_table[:start // block_size + 1]
+                                        for (seq, _), start in zip(entries[:d], dec_pos.tolist())]))
+    r = d
+    for i in range(d, len(entries)):
+        seq, n = entries[i]
+        start = starts[i - d]
         if n == 1:
             positions[r] = start
             slots[r] = seq.block_table[start // block_size] * block_size + start % block_size
@@ -111,18 +132,35 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
         num_decodes = 0  # nothing left for the batched decode path
     if num_decodes:
         max_blocks = -(-int(decode_ctx.max()) // block_size)
-        tables = _block_tables(entries[:num_decodes], max_blocks, num_decodes, 0)
+        tables = _block_tables([seq.block_table for seq, _ in entries[:num_decodes]], max_blocks, num_decodes, 0)
         attention.decode_blocks = _to(tables.reshape(-1), device)
         attention.decode_mask = _to(_length_mask(_lengths(decode_ctx, num_decodes), max_blocks, block_size), device)
+    all_ids = dec_ids if not ids else np.concatenate([dec_ids, np.asarray(ids, dtype=np.int64)])
+    rows = np.concatenate([sample_rows, np.asarray(rest_sample_rows + prompt_rows, dtype=np.int64)])
     return StepInputs(
-        input_ids=_to(np.asarray(ids, dtype=np.int64), device)[None],
+        input_ids=_to(all_ids, device)[None],
         positions=_to(positions, device)[None],
         attention=attention,
-        sample_rows=_to(np.asarray(sample_rows + prompt_rows, dtype=np.int64), device),
+        sample_rows=_to(rows, device),
         sample_seqs=sample_seqs,
         num_tokens=row,
         prompt_runs=prompt_runs,
     )
+
+
+def _single_token_rows(entries, block_size: int) -> tuple[np.ndarray, ...]:
+    """The token ids, positions, KV slots and token counts of single-token entries, and whether each wants prompt
+    logprobs: one Python pass."""
+    rows = [(seq.token_ids[c], c, seq.block_table[c // block_size], len(seq.token_ids),
+             seq.sampling.prompt_logprobs is not None)
+            for seq, _ in entries for c in (seq.num_computed_tokens,)]
+    columns = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=5 * len(rows)).reshape(-1, 5).T.copy()
+    ids, positions, last_blocks, num_tokens, wants_logprobs = columns
+    return ids, positions, last_blocks * block_size + positions % block_size, num_tokens, wants_logprobs
+
+
+def _flat_tables(tables: list[list[int]]) -> np.ndarray:
+    return np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=sum(map(len, tables)))
 
 
 def _varlen(blocks: np.ndarray, block_counts: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, block_size: int,
@@ -140,13 +178,19 @@ def _varlen(blocks: np.ndarray, block_counts: np.ndarray, q_lens: np.ndarray, k_
     )
 
 
-def _block_tables(entries, blocks: int, rows: int, pad_block: int) -> np.ndarray:
-    """Block tables [rows, blocks] of the single-token sequences, padded with pad_block (padding rows: all of it)."""
-    tables = np.full((rows, blocks), pad_block, dtype=np.int64)
-    for i, (seq, _) in enumerate(entries):
-        table = seq.block_table[:blocks]
-        tables[i, :len(table)] = table
-    return tables
+def _block_tables(tables: list[list[int]], blocks: int, rows: int, pad_block: int) -> np.ndarray:
+    """Block tables [rows, blocks] of the single-token sequences (their tables given), padded with pad_block
+    (padding rows: all of it)."""
+    out = np.full((rows, blocks), pad_block, dtype=np.int64)
+    if not tables:
+        return out
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    if lengths.max() > blocks:
+        tables = [table[:blocks] for table in tables]
+        lengths = np.minimum(lengths, blocks)
+    # Each row's blocks fill a prefix of it: a row-major mask takes the concatenated tables in order.
+    out[:len(tables)][np.arange(blocks) < lengths[:, None]] = _flat_tables(tables)
+    return out
 
 
 def _lengths(ctx: np.ndarray, rows: int) -> np.ndarray:
@@ -166,18 +210,16 @@ def _length_mask(lengths: np.ndarray, blocks: int, block_size: int) -> np.ndarra
 def _padded_decode_inputs(entries, block_size: int, device: torch.device, padding: DecodePadding,
                           varlen: bool) -> StepInputs:
     b, rows = len(entries), padding.batch
+    dec_ids, dec_pos, dec_slots, _, _ = _single_token_rows(entries, block_size)
     ids = np.zeros(rows, dtype=np.int64)
     positions = np.zeros(rows, dtype=np.int64)
     slots = np.full(rows, padding.scratch_block * block_size, dtype=np.int64)
-    ctx = np.empty(b, dtype=np.int64)
-    for i, (seq, _) in enumerate(entries):
-        start = seq.num_computed_tokens
-        ids[i] = seq.token_ids[start]
-        positions[i] = start
-        slots[i] = seq.block_table[start // block_size] * block_size + start % block_size
-        ctx[i] = start + 1
+    ids[:b] = dec_ids
+    positions[:b] = dec_pos
+    slots[:b] = dec_slots
+    ctx = dec_pos + 1
     # Static shapes for the graph: every row has padding.blocks blocks, the scratch block where it has fewer.
-    tables = _block_tables(entries, padding.blocks, rows, padding.scratch_block)
+    tables = _block_tables([seq.block_table for seq, _ in entries], padding.blocks, rows, padding.scratch_block)
     lengths = _lengths(ctx, rows)
     if varlen:
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=0,
