@@ -10,6 +10,14 @@ A step: schedule -> pack the batch -> one forward pass -> the structured-output 
 (enginecore.structured_output) -> sample -> append, check for the finish, report. The request bookkeeping (keys,
 choices, grammars' matchers, abort, finish) is enginecore.engine_base's, shared with the simulated engine.
 
+Asynchronous scheduling (on for CUDA by default): a step is launched (`_launch`: scheduled, packed, forward pass
+and sampling queued on the device, a placeholder -1-row appended to each sampled sequence's tokens) and resolved
+later (`_resolve`: the tokens copied back, put in place of their placeholders, finishes checked, reported). With
+it, step() launches step k+1 before it resolves step k, so the host's work overlaps the device's: the next step's
+rows read their pending input tokens where step k sampled them, on the device. A sequence that step k finishes
+has one wasted row in step k+1; a step whose rows need the host's tokens first (a grammar's mask, a penalty, rows
+sampled one by one) is resolved before the next launch. Without it, step() launches and resolves the same step.
+
 A request whose row the sampler cannot sample fails alone (an 'error' output for each of its choices); a failing
 forward pass is fatal (the KV cache may be half written), as in vLLM.
 
