@@ -115,7 +115,9 @@ class Sampler:
         """Each row alone (after sample() raised on the batch): a row that cannot be sampled gets its error and no
         token, the others their token (a seeded row draws from its own generator, a constrained one under its own
         row of `allowed`, as in a batch)."""
-        tokens, logprobs, errors = [], [], []
+        tokens: list[int | None] = []
+        logprobs: list = []
+        errors: list[str | None] = []
         for i, seq in enumerate(seqs):
             try:
                 one = self.sample(logits[i:i + 1], [seq], None if allowed is None else allowed.row(i))
@@ -211,12 +213,12 @@ def prompt_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) ->
 
 def _logprob_entries(sampled: list[float], top_vals: list | None, top_ids: list | None, want: list[int | None]) -> list:
     """Per row: None where want is None, else [sampled logprob, [[token_id, logprob], ...top want[row]]]."""
-    result = []
+    result: list = []
     for i, k in enumerate(want):
         if k is None:
             result.append(None)
             continue
         k = min(k, MAX_LOGPROBS)
-        tops = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k and top_ids is not None else []
+        tops = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k and top_ids and top_vals else []
         result.append([sampled[i], tops])
     return result
