@@ -212,6 +212,12 @@ class EngineCore(EngineBase):
         if not batch:
             return None
         inputs = self.runner.prepare(batch.entries)
+        counts = self.step_counts
+        counts.steps += 1
+        if inputs.graph_shape is not None:
+            counts.graph_steps += 1  # decodes only: no prompt tokens
+        else:
+            counts.prompt_tokens += sum(n for _, n in batch.entries if n > 1)
         if pending is not None and pending.seqs:
             _read_pending_tokens(inputs.input_ids, pending.sampled.token_ids)
         self.kv_cache.copy_blocks(batch.block_copies)

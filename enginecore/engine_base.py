@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from enginecore.request_check import BadRequest, check_request
 from enginecore.sequence import Sequence
+from enginecore.step_stats import StepCounts
 from ipc.messages import EngineRequest, FinishReason, RequestOutput
 from ipc.model_info import ModelInfo
 
@@ -70,6 +71,7 @@ class EngineBase:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_finished = self.num_aborted = self.num_failed = 0
+        self.step_counts = StepCounts()  # for the log's line of activity (enginecore.step_stats)
 
     # --- what each engine does its own way ------------------------------------------------------------------
     def step(self) -> list[tuple[bytes | None, RequestOutput]]:
@@ -262,6 +264,7 @@ class EngineBase:
             else:
                 seq.token_ids[position] = token
             finish, stop = self._finish_reason(seq, token, position + 1)
+            self.step_counts.generated_tokens += 1
             new, token_logprobs = [token], [logprobs] if logprobs is not None else None
         output = RequestOutput(seq.request_id, new, seq.index, finish, stop, seq.num_prompt_tokens,
                                seq.num_cached_tokens, token_logprobs, prompt_logprobs, error)

@@ -86,7 +86,7 @@ def _serve(launch: EngineLaunch) -> None:
     log.info("ready: %s on %s, %d KV blocks, asynchronous scheduling %s, listening at %s", config.model_name,
              info.device, info.num_kv_blocks, "on" if getattr(core, "async_scheduling", False) else "off", address)
 
-    server = EngineServer(core, router, config.engine_step_timeout)  # the router is its I/O thread's from here
+    server = EngineServer(core, router, config.engine_step_timeout, config.log_stats_interval)  # the router is its I/O thread's from here
     try:
         server.serve_forever()
     except Exception as exc:

@@ -32,6 +32,7 @@ import zmq
 from enginecore.engine_base import EngineBase, finished_at_once
 from enginecore.engine_io import EngineIO, Malformed
 from enginecore.grammar_compiler import CompilingRequests
+from enginecore.step_stats import StepStatsLog
 from ipc.codec import MalformedMessage
 from ipc.messages import (AbortRequests, EngineOutputs, EngineRequest, FinishReason, Kind, RequestOutput, UtilityCall,
                           UtilityResult)
@@ -46,8 +47,12 @@ class EngineIOFailed(RuntimeError):
 
 
 class EngineServer:
-    def __init__(self, core: EngineBase, router: zmq.Socket, step_timeout: float = DEFAULT_STEP_TIMEOUT):
+    def __init__(self, core: EngineBase, router: zmq.Socket, step_timeout: float = DEFAULT_STEP_TIMEOUT,
+                 log_stats_interval: float = 0.0):
         self.core = core
+        # A line of activity in the log every log_stats_interval seconds while the engine works (0: none).
+        self.stats_log = StepStatsLog(core.step_counts, log_stats_interval, core.load) if log_stats_interval > 0 \
+            else None
         self.io = EngineIO(router, step_timeout)  # the socket is the I/O thread's from serve_forever() on
         self._posted: list[tuple[bytes, object]] = []  # what this batch of work sends, once the stats are published
         self._poller = select.poll()
@@ -79,7 +84,7 @@ class EngineServer:
             busy = core.has_work()
             if not busy:
                 io.busy_since = None  # waiting is not a step: never a wedge
-            events = poll(0 if busy else None)
+            events = poll(0 if busy else self._idle_wait_ms())
             io.busy_since = time.monotonic()
             for fd, _ in events:
                 if fd == bell:
@@ -88,13 +93,23 @@ class EngineServer:
                     self._wakeup.recv(4096)  # the signal's handler runs on the way back into Python
                 elif fd == compiling:  # grammars compiled: their requests go to the engine
                     self._admit_compiled()
+            if not busy and self.stats_log is not None:
+                self.stats_log.write_if_due()  # the last line of a busy spell, once its interval is over
             if io.error is not None:
                 raise EngineIOFailed(f"the I/O thread failed: {type(io.error).__name__}: {io.error}")
             if self._take_messages() or self._posted:  # admissions, aborts, utilities: their stats first
                 self._publish()
             if core.has_work():
+                started = time.perf_counter()
                 self._send_outputs(core.step())
                 self._publish()
+                if self.stats_log is not None:
+                    self.stats_log.stepped(time.perf_counter() - started)
+
+    def _idle_wait_ms(self) -> int | None:
+        """How long an idle poll() may block: for ever, unless a line of activity falls due meanwhile."""
+        due = self.stats_log.due_in() if self.stats_log is not None else None
+        return None if due is None else int(due * 1000) + 1
 
     def close(self, dead_reason: str | None = None) -> bool:
         """Stop the I/O thread, which sends what was posted (and ENGINE_DEAD to every client heard from when

@@ -143,6 +143,7 @@ class SimulatedEngine(EngineBase):
         if tick > now:
             time.sleep(tick - now)
         self._stall_if_asked()
+        self.step_counts.steps += 1
         outputs = []
         for key in self._failing:
             if key in self.requests:  # not aborted meanwhile

@@ -40,6 +40,8 @@ class ServeConfig:
     # One engine step running longer than this is a wedged engine: it stops answering pings (its API servers then
     # take it for gone, as a frozen one). Generous: a long prefill chunk on a CPU may take a minute.
     engine_step_timeout: float = 300.0
+    # Seconds between the engine's lines of activity in the log while it works (steps, tokens/s, load); 0: none.
+    log_stats_interval: float = 10.0
 
     # API servers.
     api_key: str | None = None

@@ -163,6 +163,11 @@ def _positive(click_context, param, value):
                    "pings, and the API servers take it for gone (see --engine-ping-interval). A busy engine "
                    "answers pings during its steps; keep this above your longest step (a long prompt's prefill "
                    "chunk on a CPU may take a minute).")
+@click.option("--log-stats-interval", default=_DEFAULTS.log_stats_interval, show_default=True,
+              type=click.FloatRange(0),
+              help="Seconds between each engine's line of activity in the log while it works: steps (and how many "
+                   "ran from CUDA graphs), ms a step, prompt and generated tokens/s, running and waiting "
+                   "requests, KV cache use. 0: no such lines.")
 @click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
 @click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,
