@@ -50,7 +50,7 @@ else
   ENGINE_ARGS="--num-prompts 256 --prompt-len 128 --output-len 128"
   FRONTEND_ARGS="--servers 1 8 --duration 6 --warmup 1 --client-processes 4 --engines 4"
   SERVE_ARGS="--num-prompts 1024 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 60"
-  SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192"
+  SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192 --log-stats-interval 2"
   SHAPES="llama-3.2-1b llama-3.1-8b"
   PROFILE_ARGS="--num-seqs 256 --prompt-len 128 --steps 50"
   SHAPE_ENGINE_ARGS="$ENGINE_ARGS --no-single"

@@ -182,12 +182,15 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+    engine_lines = [line for line in server.log().splitlines() if "engine: " in line] if server else []
+    if engine_lines:  # the engine's own account of the run (--log-stats-interval): steps, eager ones, ms a step
+        print("\nthe engine's log during the run:\n" + "\n".join(engine_lines[-8:]))
     load = (f"{args.endpoint}, {'streamed' if args.stream else 'whole'}, {args.num_prompts} prompts of "
             f"{args.input_len} tokens ({prompts_source.source}), {args.output_len} output tokens, "
             f"concurrency {args.max_concurrency or 'unlimited'}, rate {args.request_rate:g}/s")
     print(f"\n{load}")
     print_table(runs)
-    result = {"machine": machine_info(), "load": load, "args": vars(args),
+    result = {"machine": machine_info(), "load": load, "args": vars(args), "engine_log": engine_lines,
               "runs": [{k: v for k, v in run.items() if k != "samples"} for run in runs]}
     if args.result_json:
         with open(args.result_json, "w") as f:
