@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
                    help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model with random weights")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
-                   help="also print the N GPU kernels that take most of 5 more steps (torch.profiler)")
+                   help="also print the N operations that take most of 20 more steps (torch.profiler; on CUDA by GPU time)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     return p.parse_args()
 
@@ -122,15 +122,19 @@ def forward_gpu_ms(core: EngineCore, steps: int) -> float:
 
 
 def top_kernels(core: EngineCore, n: int, steps: int = 5) -> str:
-    """torch.profiler's table of the GPU operations of `steps` steps, the n costliest by GPU time."""
+    """torch.profiler's table of the operations of `steps` steps, the n costliest by device time (on the CPU: by
+    their own CPU time; the profiler's per-op overhead inflates the small ops there)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = core.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             core.step()
-        torch.cuda.synchronize()
-    return f"GPU operations over {steps} steps:\n" + prof.key_averages().table(
-        sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=60)
+        if cuda:
+            torch.cuda.synchronize()
+    return f"{'GPU' if cuda else 'CPU'} operations over {steps} steps:\n" + prof.key_averages().table(
+        sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=n, max_name_column_width=60)
 
 
 def main() -> None:
@@ -174,7 +178,7 @@ def main() -> None:
         wall += time.perf_counter() - started
     timer.on = False
     gpu_ms = forward_gpu_ms(core, steps) if cuda else None
-    kernel_table = top_kernels(core, args.kernels) if cuda and args.kernels else None
+    kernel_table = top_kernels(core, args.kernels, steps=20) if args.kernels else None
 
     per_step = wall / steps * 1e3
     print(f"model {core.loaded.model_dir} ({'tiny ' if args.tiny else ''}{core.quantization}) on {core.device}, "

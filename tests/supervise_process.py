@@ -126,6 +126,16 @@ class Supervise:
         return self.proc.returncode
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a helper process (a gateway, a router), SIGKILL it if it outlives `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def title_of(process: psutil.Process) -> str:
     """The process title as `ps` shows it (setproctitle pads the command line with spaces)."""
     try:

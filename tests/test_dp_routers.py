@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.dp_support import SIM_MODEL, free_port, served_by_rank
-from tests.supervise_process import Supervise
+from tests.supervise_process import Supervise, terminate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATEWAY_BIN = os.path.join(REPO, ".venv-gateway", "bin")
@@ -66,12 +66,7 @@ def router(tool: str, *args: str, ready=None):
             time.sleep(0.3)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        terminate(process, 15)
         log.close()
 
 

@@ -22,7 +22,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from tests.grpc_support import GrpcSupervise
-from tests.supervise_process import title_of
+from tests.supervise_process import terminate, title_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATEWAY = os.path.join(REPO, ".venv-gateway", "bin", "smg")
@@ -79,11 +79,7 @@ def running_gateway(group, *options: str):
                    "the gateway to take our worker")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc, 20)
         log.close()
 
 

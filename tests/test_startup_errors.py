@@ -45,10 +45,16 @@ def test_directory_that_is_not_a_model_is_refused(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_bad_option_values_are_refused_before_anything_starts():
-    result = run_supervise("--api-server-count", "0", timeout=30)
+@pytest.mark.parametrize("args,flag", [
+    (("--api-server-count", "0"), "--api-server-count"),
+    (("--log-stats-interval", "-1"), "--log-stats-interval"),
+    (("--log-stats-interval", "soon"), "--log-stats-interval"),
+    (("--async-scheduling=yes",), "--async-scheduling"),
+])
+def test_bad_option_values_are_refused_before_anything_starts(args, flag):
+    result = run_supervise(*args, timeout=30)
     assert result.returncode == 2
-    assert "--api-server-count" in result.stderr
+    assert flag in result.stderr and "Traceback" not in result.stderr
 
 
 def test_help_explains_the_options():
