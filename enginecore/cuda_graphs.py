@@ -1,9 +1,19 @@
-"""CudaGraphRunner: decode-only steps replayed from CUDA graphs, everything else eager. Only imported on CUDA.
+"""CudaGraphRunner: engine steps replayed from CUDA graphs. Only imported on CUDA (tests drive it on the CPU with a
+stand-in for the capture).
 
-A decode step of a small model is hundreds of tiny kernels: launching them one by one from Python costs more than
-running them. A graph is captured per (batch size, blocks per sequence) bucket, lazily on first use, and replayed
-after copying the step's inputs into that graph's static buffers. The batch is padded to its bucket: padding
-rows compute garbage that nobody samples and write their K/V into the cache's scratch block.
+A step of a small model is hundreds of tiny kernels: launching them one by one from Python costs more than running
+them. Graphs are captured lazily, per bucket of shapes, and replayed after copying the step's inputs into that
+graph's static buffers; the step is padded to its bucket. Two kinds:
+
+- decode-only steps: the whole forward pass, LM head included, per (batch size, blocks per sequence). Padding rows
+  compute garbage that nobody samples and write their K/V into the cache's scratch block. Every batch size is
+  captured at start-up for the shortest contexts.
+- steps with prompt tokens (a closed loop of clients makes nearly every step one: new requests' prefills join the
+  running decodes), where flash varlen attention runs (CUDA, half precision) and the lean forward does: the layers
+  only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM head run
+  eagerly on the rows the step samples, whatever their number. At most --cuda-graph-max-tokens tokens: beyond,
+  the products dominate and launches do not matter. Without this, such a step launched some 500 kernels from
+  Python one by one (SmolLM2-135M), longer than the GPU took to run them.
 """
 from __future__ import annotations
 
@@ -13,12 +23,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from enginecore.model_runner import ModelRunner
 from enginecore.sequence import Sequence
-from enginecore.step_inputs import DecodePadding, StepInputs, build_step_inputs
+from enginecore.step_inputs import DecodePadding, MixedPadding, StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -28,21 +39,58 @@ MAX_GRAPH_CONTEXT = 8192
 # shapes mean fewer graphs.
 MIN_GRAPH_CONTEXT = 256
 
+# capture(fn) -> (replay, output): records fn (a forward pass over static buffers, returning its output tensor);
+# each replay recomputes that output in place from the buffers' current values.
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 1025, 32))
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
+def blocks_bucket(blocks: int) -> int:
+    """`blocks` rounded up to a quarter of an octave (at most a quarter more): few graphs, little extra gather."""
+    step = 1 << max(0, blocks.bit_length() - 3)
+    return -(-blocks // step) * step
+
+
+def _bucket(buckets: list[int], n: int) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
     inputs: StepInputs  # the static buffers the graph reads
-    logits: torch.Tensor  # the static output it writes
+    output: torch.Tensor  # the static output it writes: logits (decode graphs) or the layers' output (mixed ones)
+
+
+class CudaCapture:
+    """Graphs on one CUDA device, sharing one memory pool (replays never overlap)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        # Warm up on a side stream (as torch's graph docs ask); it writes what the replay will write.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            output = fn()
+        return graph.replay, output
 
 
 class CudaGraphRunner:
-    def __init__(self, eager: ModelRunner, max_num_seqs: int, max_model_len: int):
+    def __init__(self, eager: ModelRunner, max_num_seqs: int, max_model_len: int, max_graph_tokens: int = 0,
+                 capture: Capture | None = None):
+        """max_graph_tokens: the most tokens of a step with prompt tokens that a graph holds (0: such steps run
+        eagerly); it applies only where flash varlen attention and the lean forward run."""
         self.eager = eager
         self.device = eager.device
         self.block_size = eager.block_size
@@ -52,19 +100,25 @@ class CudaGraphRunner:
         smallest = min(max_blocks, -(-MIN_GRAPH_CONTEXT // self.block_size))
         self.block_buckets = [smallest << i for i in range(max_blocks.bit_length()) if smallest << i < max_blocks]
         self.block_buckets.append(max_blocks)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        mixed = max_graph_tokens > 0 and eager.varlen and eager.lean_model is not None
+        self.token_buckets = batch_buckets(max_graph_tokens) if mixed else []
+        self.run_buckets = batch_buckets(max_num_seqs + 1)  # a mixed step's runs, and one of padding
+        self._graphs: dict[tuple[int, ...], _Graph] = {}
+        self._capture_fn = capture or CudaCapture(self.device)
 
     def capture_common(self) -> None:
         """Capture every batch size for the shortest contexts now, so serving starts without capture pauses;
-        longer contexts are captured when first seen. Largest first, so the smaller reuse its memory pool."""
+        longer contexts, and steps with prompt tokens, are captured when first seen. Largest first, so the smaller
+        reuse its memory pool."""
         started = time.monotonic()
         for batch in reversed(self.batch_buckets):
             padding = DecodePadding(batch, self.block_buckets[0], self.kv_cache.scratch_block)
             shape = (batch, padding.blocks)
             example = build_step_inputs([], self.block_size, self.device, padding, self.eager.varlen)
             self._graphs[shape] = self._capture(example)
-        log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.monotonic() - started)
+        log.info("captured %d CUDA graphs in %.1f s%s", len(self._graphs), time.monotonic() - started,
+                 f"; steps with prompt tokens get theirs when first seen (up to {self.token_buckets[-1]} tokens)"
+                 if self.token_buckets else "")
 
     @property
     def model(self):
@@ -76,61 +130,93 @@ class CudaGraphRunner:
             return self.eager.prepare(entries)
         return build_step_inputs(entries, self.block_size, self.device, padding, self.eager.varlen)
 
-    def _padding(self, entries) -> DecodePadding | None:
-        if not entries or entries[-1][1] != 1 or len(entries) > self.batch_buckets[-1]:
+    def _padding(self, entries) -> DecodePadding | MixedPadding | None:
+        if not entries:
+            return None
+        return self._decode_padding(entries) or self._mixed_padding(entries)
+
+    def _decode_padding(self, entries) -> DecodePadding | None:
+        if entries[-1][1] != 1 or len(entries) > self.batch_buckets[-1]:
             return None  # some prefill in the batch, or too many rows
         context = 0
         for seq, _ in entries:
             length = seq.num_computed_tokens + 1
             if length != len(seq.token_ids):
-                # A one-token chunk of a prompt, not a decode: a graph samples every row, and this row is not
-                # to be sampled (it may owe prompt logprobs instead).
+                # A one-token chunk of a prompt, not a decode: a decode graph samples every row, and this row is
+                # not to be sampled (it may owe prompt logprobs instead).
                 return None
             if length > context:
                 context = length
         ctx_blocks = -(-context // self.block_size)
         if ctx_blocks > self.block_buckets[-1]:
             return None
-        batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(entries))]
-        blocks = self.block_buckets[bisect.bisect_left(self.block_buckets, ctx_blocks)]
-        return DecodePadding(batch, blocks, self.kv_cache.scratch_block)
+        return DecodePadding(_bucket(self.batch_buckets, len(entries)), _bucket(self.block_buckets, ctx_blocks),
+                             self.kv_cache.scratch_block)
+
+    def _mixed_padding(self, entries) -> MixedPadding | None:
+        runs = len(entries)
+        if not self.token_buckets or runs >= self.run_buckets[-1]:
+            return None
+        size = self.block_size
+        tokens = blocks = 0
+        for seq, n in entries:
+            tokens += n
+            blocks += -(-(seq.num_computed_tokens + n) // size)
+        # At least 2 tokens: the graph's max_q is its token count, and with max_q 1 flash takes its decode path,
+        # which needs exactly one query per run (a padding run has none).
+        tokens = max(tokens, 2)
+        if tokens > self.token_buckets[-1]:
+            return None
+        padded_runs = _bucket(self.run_buckets, runs + 1)
+        return MixedPadding(_bucket(self.token_buckets, tokens), padded_runs,
+                            blocks_bucket(blocks + padded_runs - runs), self.kv_cache.scratch_block)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.graph_shape is None:
+        shape = inputs.graph_shape
+        if shape is None:
             return self.eager.forward(inputs)
-        graph = self._graphs.get(inputs.graph_shape)
+        graph = self._graphs.get(shape)
         if graph is None:
-            graph = self._graphs[inputs.graph_shape] = self._capture(inputs)
+            graph = self._graphs[shape] = self._capture(inputs)
         for static, new in zip(_device_tensors(graph.inputs), _device_tensors(inputs)):
             static.copy_(new, non_blocking=True)
-        graph.graph.replay()
-        return graph.logits[: len(inputs.sample_seqs)]
+        graph.replay()
+        if _is_mixed(inputs):
+            return self.eager.logits(graph.output, inputs.sample_rows)
+        return graph.output[: len(inputs.sample_seqs)]
 
     def _capture(self, example: StepInputs) -> _Graph:
         started = time.monotonic()
         # The graph's own copies of the inputs: every replay copies the step's values into them.
-        static = copy.deepcopy(dataclasses.replace(example, sample_seqs=[]))
-        # Warm up on a side stream (as torch's graph docs ask); it writes what the replay will write.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.eager.forward(static)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            logits = self.eager.forward(static)  # the lean forward, or transformers'
-        log.debug("captured a CUDA graph for %d sequences x %d blocks in %.2f s", *example.graph_shape,
-                  time.monotonic() - started)
-        return _Graph(graph, static, logits)
+        static = copy.deepcopy(dataclasses.replace(example, sample_seqs=[], prompt_runs=[]))
+        if _is_mixed(example):
+            replay, output = self._capture_fn(lambda: self.eager.hidden(static))
+        else:
+            replay, output = self._capture_fn(lambda: self.eager.forward(static))  # the lean forward, or transformers'
+        log.debug("captured a CUDA graph for shape %s in %.2f s", example.graph_shape, time.monotonic() - started)
+        return _Graph(replay, static, output)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The shapes captured so far (see StepInputs.graph_shape)."""
+        return list(self._graphs)
+
+
+def _is_mixed(inputs: StepInputs) -> bool:
+    """A graph of a step's layers, shaped (tokens, runs, blocks) (see StepInputs.graph_shape)."""
+    return inputs.graph_shape is not None and len(inputs.graph_shape) == 3
 
 
 def _device_tensors(inputs: StepInputs) -> list[torch.Tensor]:
-    """The tensors a decode graph reads, in a fixed order."""
+    """The tensors a graph reads that change from step to step, in a fixed order."""
     a = inputs.attention
     tensors = [inputs.input_ids, inputs.positions, a.slot_mapping]
-    if a.varlen is not None:
-        # cu_q and cu_k are the bucket's shape (one query and `blocks` whole blocks per row): the graph's own copies
-        # already hold them.
-        return tensors + [a.varlen.kv_blocks, a.varlen.seqused_k]
-    return tensors + [a.decode_blocks, a.decode_mask]
+    if a.varlen is None:
+        return tensors + [a.decode_blocks, a.decode_mask]
+    tensors += [a.varlen.kv_blocks, a.varlen.seqused_k]
+    if _is_mixed(inputs):
+        return tensors + [a.varlen.cu_q, a.varlen.cu_k]
+    # A decode graph's cu_q and cu_k are its bucket's shape (one query and `blocks` whole blocks per row): the
+    # graph's own copies already hold them.
+    return tensors

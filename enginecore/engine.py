@@ -114,7 +114,8 @@ class EngineCore(EngineBase):
         if self.device.type == "cuda" and not config.enforce_eager:
             from enginecore.cuda_graphs import CudaGraphRunner
 
-            self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len)
+            self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len,
+                                          min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
             self.runner.capture_common()
 
         self.pool = KVBlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -215,8 +216,8 @@ class EngineCore(EngineBase):
         counts = self.step_counts
         counts.steps += 1
         if inputs.graph_shape is not None:
-            counts.graph_steps += 1  # decodes only: no prompt tokens
-        else:
+            counts.graph_steps += 1
+        if batch.entries[-1][1] > 1:  # prompt chunks of more than one token come last
             counts.prompt_tokens += sum(n for _, n in batch.entries if n > 1)
         if pending is not None and pending.seqs:
             _read_pending_tokens(inputs.input_ids, pending.sampled.token_ids)

@@ -125,10 +125,20 @@ class LeanLlama:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(sample_rows), vocab]; attention.current is set by the caller."""
+        return self.logits(self.hidden(input_ids, positions), sample_rows)
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> the last layer's output [T, hidden] (before the final norm). Split from the
+        head so that a CUDA graph can hold the layers of a step whose sampled rows vary (enginecore.cuda_graphs)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin_signed = self._rope_tables(h, positions)
         for layer in self.layers:
             h = self._layer_forward(layer, h, cos, sin_signed)
+        return h
+
+    def logits(self, h: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head on the rows `sample_rows` of `hidden`'s output."""
         h = torch.rms_norm(h.index_select(0, sample_rows), (h.shape[1],), self.final_norm, self.eps)
         return self.head(h)
 

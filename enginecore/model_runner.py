@@ -7,6 +7,7 @@ enginecore.lean_model instead, on the CPU and on CUDA (same weights, same attent
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -49,9 +50,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """[len(inputs.sample_rows), vocab] logits: the sampled rows, then any prompt-logprob rows."""
-        attention.current.step = inputs.attention
-        attention.current.kv_cache = self.kv_cache
-        try:
+        with _attending(inputs, self.kv_cache):
             if self.lean_model is not None:
                 return self.lean_model.forward(inputs.input_ids[0], inputs.positions[0], inputs.sample_rows)
             out = self.model(
@@ -60,6 +59,26 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=inputs.sample_rows,
             )
-        finally:
-            attention.current.step = None
         return out.logits[0]
+
+    @torch.inference_mode()
+    def hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """The lean forward's layers only: [T, hidden] before the final norm (what a CUDA graph of a step with
+        prompt tokens holds); `logits` finishes the step."""
+        with _attending(inputs, self.kv_cache):
+            return self.lean_model.hidden(inputs.input_ids[0], inputs.positions[0])
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        return self.lean_model.logits(hidden, sample_rows)
+
+
+@contextmanager
+def _attending(inputs: StepInputs, kv_cache: KVCache | None):
+    """The step paged attention computes while the model runs (enginecore.attention.current)."""
+    attention.current.step = inputs.attention
+    attention.current.kv_cache = kv_cache
+    try:
+        yield
+    finally:
+        attention.current.step = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +31,10 @@ class StepInputs:
     # Prompt logprobs: (sequence, first position, count): the logits of positions first .. first+count-1 give the
     # logprobs of its prompt tokens at first+1 .. first+count. Empty unless a sequence asks for them.
     prompt_runs: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    # A decode-only batch padded to a CUDA graph's shape: (batch size, blocks per sequence); None otherwise.
-    graph_shape: tuple[int, int] | None = None
+    # The shape of the CUDA graph the step is padded for, None when it runs eagerly: a decode-only batch's
+    # (batch size, blocks per sequence) (DecodePadding), or a flash varlen step's (tokens, runs, blocks in all)
+    # (MixedPadding).
+    graph_shape: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -43,13 +46,28 @@ class DecodePadding:
     scratch_block: int
 
 
+@dataclass
+class MixedPadding:
+    """Pad a flash varlen step of any kind (decodes and prompt chunks) to `tokens` rows, `runs` runs and `blocks`
+    context blocks in all, the shape of a CUDA graph of its layers. There is at least one padding run: the first
+    takes the padding tokens, the last the padding blocks; each sees one slot of `scratch_block`, where the padding
+    tokens' K/V goes. So `runs` > the step's runs and `blocks` >= its blocks + its padding runs."""
+
+    tokens: int
+    runs: int
+    blocks: int
+    scratch_block: int
+
+
 def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, device: torch.device,
-                      padding: DecodePadding | None = None, varlen: bool = False) -> StepInputs:
+                      padding: DecodePadding | MixedPadding | None = None, varlen: bool = False) -> StepInputs:
     """entries: (sequence, number of new tokens), single-token entries first (the scheduler orders them so).
     varlen: describe the step for one flash varlen attention call (CUDA) instead of batched decodes plus one
-    attention call per prefill run."""
-    if padding is not None:
+    attention call per prefill run (a MixedPadding needs varlen)."""
+    if isinstance(padding, DecodePadding):
         return _padded_decode_inputs(entries, block_size, device, padding, varlen)
+    if padding is not None and not varlen:
+        raise ValueError("a mixed step is padded for flash varlen attention only")
     # The leading single-token entries (decodes, or one-token prompt chunks) as arrays, the rest one by one.
     d = 0
     while d < len(entries) and entries[d][1] == 1:
@@ -124,19 +142,23 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
                 prefills.append(_prefill_run(r, start, n, table, block_size, device))
         r += n
 
+    all_ids = dec_ids if not ids else np.concatenate([dec_ids, np.asarray(ids, dtype=np.int64)])
+    rows = np.concatenate([sample_rows, np.asarray(rest_sample_rows + prompt_rows, dtype=np.int64)])
+    graph_shape = None
+    if varlen:
+        runs = _Runs(np.concatenate(run_blocks).astype(np.int64, copy=False), -(-k_lens // block_size),
+                     np.array([n for _, n in entries]), k_lens)
+        if padding is not None:
+            all_ids, positions, slots, runs = _pad_mixed(all_ids, positions, slots, runs, padding, block_size)
+            graph_shape = (padding.tokens, padding.runs, padding.blocks)
     attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=num_decodes, prefills=prefills)
     if varlen:
-        q_lens = np.array([n for _, n in entries])
-        blocks = np.concatenate(run_blocks).astype(np.int64, copy=False)
-        attention.varlen = _varlen(blocks, -(-k_lens // block_size), q_lens, k_lens, block_size, device)
-        num_decodes = 0  # nothing left for the batched decode path
-    if num_decodes:
+        attention.varlen = _varlen(runs, block_size, device, padding)
+    elif num_decodes:
         max_blocks = -(-int(decode_ctx.max()) // block_size)
         tables = _block_tables([seq.block_table for seq, _ in entries[:num_decodes]], max_blocks, num_decodes, 0)
         attention.decode_blocks = _to(tables.reshape(-1), device)
         attention.decode_mask = _to(_length_mask(_lengths(decode_ctx, num_decodes), max_blocks, block_size), device)
-    all_ids = dec_ids if not ids else np.concatenate([dec_ids, np.asarray(ids, dtype=np.int64)])
-    rows = np.concatenate([sample_rows, np.asarray(rest_sample_rows + prompt_rows, dtype=np.int64)])
     return StepInputs(
         input_ids=_to(all_ids, device)[None],
         positions=_to(positions, device)[None],
@@ -145,6 +167,7 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
         sample_seqs=sample_seqs,
         num_tokens=row,
         prompt_runs=prompt_runs,
+        graph_shape=graph_shape,
     )
 
 
@@ -163,18 +186,53 @@ def _flat_tables(tables: list[list[int]]) -> np.ndarray:
     return np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=sum(map(len, tables)))
 
 
-def _varlen(blocks: np.ndarray, block_counts: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, block_size: int,
-            device: torch.device) -> VarlenAttention:
-    """blocks: every run's context blocks, run after run (block_counts[i] of them for run i); k_lens: the real
-    context lengths. Each run's keys are its blocks whole (cu_k), of which flash reads k_lens[i] (seqused_k)."""
-    padded = block_counts * block_size
+class _Runs(NamedTuple):
+    """A varlen step's runs on the host: every run's context blocks, run after run (block_counts[i] of them for run
+    i), its new tokens (q_lens) and its real context length (k_lens)."""
+
+    blocks: np.ndarray
+    block_counts: np.ndarray
+    q_lens: np.ndarray
+    k_lens: np.ndarray
+
+
+def _varlen(runs: _Runs, block_size: int, device: torch.device, padding: MixedPadding | None = None
+            ) -> VarlenAttention:
+    """Each run's keys are its blocks whole (cu_k), of which flash reads k_lens[i] (seqused_k). For a CUDA graph
+    (`padding`), max_q and max_k are the graph's bounds, not this step's: the graph keeps the values it was
+    captured with (flash sizes its grid by max_q and reads only each run's real lengths)."""
+    padded = runs.block_counts * block_size
     return VarlenAttention(
-        kv_blocks=_to(blocks, device),
-        cu_q=_to(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), device),
+        kv_blocks=_to(runs.blocks, device),
+        cu_q=_to(np.concatenate([[0], np.cumsum(runs.q_lens)]).astype(np.int32), device),
         cu_k=_to(np.concatenate([[0], np.cumsum(padded)]).astype(np.int32), device),
-        seqused_k=_to(k_lens.astype(np.int32), device),
-        max_q=int(q_lens.max()),
-        max_k=int(padded.max()),
+        seqused_k=_to(runs.k_lens.astype(np.int32), device),
+        max_q=int(runs.q_lens.max()) if padding is None else padding.tokens,
+        max_k=int(padded.max()) if padding is None else padding.blocks * block_size,
+    )
+
+
+def _pad_mixed(ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, runs: _Runs, padding: MixedPadding,
+               block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Runs]:
+    """The step's tokens and runs padded to `padding` (see MixedPadding)."""
+    tokens, extra_runs = len(ids), padding.runs - len(runs.q_lens)
+    extra_blocks = padding.blocks - len(runs.blocks)
+    if tokens > padding.tokens or extra_runs < 1 or extra_blocks < extra_runs:
+        raise ValueError(f"a step of {tokens} tokens, {len(runs.q_lens)} runs and {len(runs.blocks)} blocks does "
+                         f"not fit {padding}")
+    extra_tokens = padding.tokens - tokens
+    q_lens = np.zeros(extra_runs, dtype=np.int64)
+    q_lens[0] = extra_tokens
+    block_counts = np.ones(extra_runs, dtype=np.int64)
+    block_counts[-1] += extra_blocks - extra_runs
+    return (
+        np.concatenate([ids, np.zeros(extra_tokens, dtype=np.int64)]),
+        np.concatenate([positions, np.zeros(extra_tokens, dtype=np.int64)]),
+        np.concatenate([slots, np.full(extra_tokens, padding.scratch_block * block_size, dtype=np.int64)]),
+        _Runs(np.concatenate([runs.blocks, np.full(extra_blocks, padding.scratch_block, dtype=np.int64)]),
+              np.concatenate([runs.block_counts, block_counts]),
+              np.concatenate([runs.q_lens, q_lens]),
+              np.concatenate([runs.k_lens, np.ones(extra_runs, dtype=np.int64)])),
     )
 
 
@@ -222,9 +280,9 @@ def _padded_decode_inputs(entries, block_size: int, device: torch.device, paddin
     tables = _block_tables([seq.block_table for seq, _ in entries], padding.blocks, rows, padding.scratch_block)
     lengths = _lengths(ctx, rows)
     if varlen:
+        runs = _Runs(tables.reshape(-1), np.full(rows, padding.blocks), np.ones(rows, dtype=np.int64), lengths)
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=0,
-                                  varlen=_varlen(tables.reshape(-1), np.full(rows, padding.blocks),
-                                                 np.ones(rows, dtype=np.int64), lengths, block_size, device))
+                                  varlen=_varlen(runs, block_size, device))
     else:
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=rows,
                                   decode_blocks=_to(tables.reshape(-1), device),

@@ -1,12 +1,12 @@
 """The engine's activity in the log: one line every --log-stats-interval seconds while it works (vLLM logs the
 same kind of line), e.g.
 
-    engine: 412 steps in 10.0 s (380 of them decodes replayed from CUDA graphs), 24.3 ms a step; 5,210 prompt and
+    engine: 412 steps in 10.0 s (380 of them replayed from CUDA graphs), 24.3 ms a step; 5,210 prompt and
     10,400 generated tokens/s; 64 running, 0 waiting, KV cache 12%
 
 An operator sees the engine's pace and load without a metrics stack; a benchmark run on a GPU sees how many steps
-ran eagerly (a step with any prompt tokens does) and what a step costs. The engine counts (StepCounts, updated by
-the engine as it steps); the serve loop times the steps and writes the line.
+ran eagerly (long prefills, or all with --enforce-eager) and what a step costs. The engine counts (StepCounts,
+updated by the engine as it steps); the serve loop times the steps and writes the line.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class StepCounts:
     """Running totals an engine keeps; the logger reads their change over each interval."""
 
     steps: int = 0
-    graph_steps: int = 0  # decode-only steps replayed from a CUDA graph
+    graph_steps: int = 0  # steps replayed from a CUDA graph
     prompt_tokens: int = 0  # prompt tokens computed (prefill chunks, recomputes after preemption)
     generated_tokens: int = 0
 
@@ -61,7 +61,7 @@ class StepStatsLog:
         steps = c.steps - last.steps
         elapsed = now - self._since
         if steps and elapsed > 0:
-            line = (f"engine: {steps} steps in {elapsed:.1f} s ({c.graph_steps - last.graph_steps} of them decodes "
+            line = (f"engine: {steps} steps in {elapsed:.1f} s ({c.graph_steps - last.graph_steps} of them "
                     f"replayed from CUDA graphs), {self._busy / steps * 1e3:.1f} ms a step; "
                     f"{(c.prompt_tokens - last.prompt_tokens) / elapsed:,.0f} prompt and "
                     f"{(c.generated_tokens - last.generated_tokens) / elapsed:,.0f} generated tokens/s")

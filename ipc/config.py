@@ -34,6 +34,9 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
+    # CUDA: a step with prompt tokens replays a CUDA graph of its layers when it has at most this many tokens in
+    # all (0: only decode-only steps replay graphs). Where flash varlen attention and the lean forward run.
+    cuda_graph_max_tokens: int = 1024
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
     seed: int = 0
     engine_ready_timeout: float = 600.0

@@ -124,6 +124,11 @@ def _positive(click_context, param, value):
 @click.option("--scheduling-policy", default=_DEFAULTS.scheduling_policy, show_default=True,
               type=click.Choice(["fcfs", "priority"]), help="Order of waiting requests.")
 @click.option("--enforce-eager", is_flag=True, help="CUDA: no CUDA graphs.")
+@click.option("--cuda-graph-max-tokens", default=_DEFAULTS.cuda_graph_max_tokens, show_default=True,
+              type=click.IntRange(0),
+              help="CUDA: a step with prompt tokens (new requests' prefills beside running decodes) replays a CUDA "
+                   "graph of its layers when it has at most this many tokens; 0: only decode-only steps do. Needs "
+                   "flash varlen attention (half precision) and a Llama-architecture model.")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Schedule and prepare the next step while the device computes this one (the outputs of a "
                    "step go out during the next). [default: on for CUDA, off on the CPU]")

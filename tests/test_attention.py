@@ -10,7 +10,7 @@ import torch
 from enginecore import attention
 from enginecore.kv_cache import KVCache, KVShape
 from enginecore.sequence import Sequence
-from enginecore.step_inputs import DecodePadding, build_step_inputs
+from enginecore.step_inputs import DecodePadding, MixedPadding, build_step_inputs
 from ipc.sampling import SamplingParams
 
 BLOCK = 4  # small blocks: short contexts still span several, most of them partly filled
@@ -120,3 +120,25 @@ def test_padded_decode_bucket_attends_as_sdpa_paths(cache):
     v.seqused_k[2] += 1
     v.kv_blocks[[6, 12]] = v.kv_blocks[[12, 6]]  # the first blocks of rows 1 and 2
     assert not torch.allclose(attend(varlen, q, k, vv), want)
+
+
+def test_mixed_step_padded_for_a_graph_attends_as_sdpa_paths(cache):
+    """A CUDA graph's step with prompt tokens: the mix above padded to 48 tokens, 10 runs and 40 blocks. The real
+    rows attend as unpadded; the padding rows only write to the scratch block."""
+    blocks = Blocks()
+    entries = [(blocks.seq(9, 10), 1), (blocks.seq(11, 12), 1), (blocks.seq(0, 1), 1),
+               (blocks.seq(0, 7), 7), (blocks.seq(8, 14), 6), (blocks.seq(5, 13), 4), (blocks.seq(0, 21), 21)]
+    tokens = sum(n for _, n in entries)
+    padding = MixedPadding(tokens=48, runs=10, blocks=40, scratch_block=cache.scratch_block)
+    varlen = build_step_inputs(entries, BLOCK, CPU, padding, varlen=True).attention
+    sdpa = build_step_inputs(entries, BLOCK, CPU, varlen=False).attention
+    q, k, v = qkv(48, seed=4)
+    want = attend(sdpa, q[:, :, :tokens], k[:, :, :tokens], v[:, :, :tokens])
+    before = cache.tensor.clone()
+    got = attend(varlen, q, k, v)[:tokens]
+    torch.testing.assert_close(got, want)
+    changed = (cache.tensor != before).flatten(3).any(-1)  # [layers, K/V, blocks] that the padded step wrote
+    assert changed.nonzero()[:, 2].unique().tolist() == [cache.scratch_block]
+
+    varlen.varlen.cu_q[4] += 1  # one query moved from the fresh prompt to the next chunk
+    assert not torch.allclose(attend(varlen, q, k, v)[:tokens], want)

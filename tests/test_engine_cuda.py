@@ -1,5 +1,5 @@
 """The CUDA path (skipped without a GPU): greedy tokens equal transformers' on the same GPU in float32, with CUDA
-graphs for decode steps and without, with asynchronous scheduling and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
+graphs and without, with asynchronous scheduling and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
 import pytest
 import torch
 
@@ -98,6 +98,10 @@ def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
     engine = EngineCore(config, loaded=bf16)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+    # The first two steps (512 and 476 tokens: the prompts, chunked, then the rest of the longest beside four
+    # decodes) replayed graphs of their layers (--cuda-graph-max-tokens), the rest decode graphs.
+    assert [s for s in engine.runner.shapes if len(s) == 3], engine.runner.shapes
+    assert engine.step_counts.graph_steps == engine.step_counts.steps
     bf16.model.set_attn_implementation("sdpa")
     gaps = []
     with torch.inference_mode():
@@ -114,13 +118,14 @@ def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
 def test_varlen_step_matches_per_sequence_attention():
     """bfloat16: one flash varlen call for the whole step (a decode, fresh prompts, a chunk after cached context),
     K/V gathered by whole blocks with the real lengths in seqused_k, equals the batched decode plus SDPA run by run;
-    so does a CUDA graph's decode step (rows padded to a bucket's blocks, padding rows)."""
+    so do the step padded for a CUDA graph of its layers (padding tokens and runs, max_q and max_k the graph's
+    bounds) and a CUDA graph's decode step (rows padded to a bucket's blocks, padding rows)."""
     from types import SimpleNamespace
 
     from enginecore import attention
     from enginecore.kv_cache import KVCache, KVShape
     from enginecore.sequence import Sequence
-    from enginecore.step_inputs import DecodePadding, build_step_inputs
+    from enginecore.step_inputs import DecodePadding, MixedPadding, build_step_inputs
     from ipc.sampling import SamplingParams
 
     device = torch.device("cuda")
@@ -140,17 +145,22 @@ def test_varlen_step_matches_per_sequence_attention():
     decodes = [(seq(c - 1, c), 1) for c in (1, 16, 17, 100, 301)]
     module = SimpleNamespace(layer_idx=0)
     attention.current.kv_cache = cache
-    for entries, padding in ((mixed, None), (decodes, DecodePadding(8, 32, cache.scratch_block))):
-        tokens = padding.batch if padding else sum(n for _, n in entries)
-        real = len(entries) if padding else tokens
+    # (entries, padding for varlen, padding for SDPA, tokens, real rows); the mixed step also padded as a graph of
+    # its layers holds it (121 tokens in 128, 4 runs in 6, 16 blocks in 20).
+    cases = [(mixed, None, None, 121, 121), (mixed, MixedPadding(128, 6, 20, cache.scratch_block), None, 128, 121),
+             (decodes, DecodePadding(8, 32, cache.scratch_block), DecodePadding(8, 32, cache.scratch_block), 8, 5)]
+    for entries, varlen_padding, sdpa_padding, tokens, real in cases:
         q = torch.randn(1, 9, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
         k = torch.randn(1, 3, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
         v = torch.randn(1, 3, tokens, 64, device=device, dtype=torch.bfloat16, generator=g)
         outs = []
-        for varlen in (True, False):
+        for varlen, padding in ((True, varlen_padding), (False, sdpa_padding)):
+            rows = tokens if padding is not None else real
             attention.current.step = build_step_inputs(entries, 16, device, padding, varlen=varlen).attention
             assert (attention.current.step.varlen is not None) == varlen
             # Only the real rows: padding rows all write the scratch slot, and which write lands is up to the GPU.
-            outs.append(attention.paged_attention(module, q, k, v, None, scaling=0.125)[0][0, :real].float())
+            out = attention.paged_attention(module, q[:, :, :rows], k[:, :, :rows], v[:, :, :rows], None,
+                                            scaling=0.125)[0][0, :real].float()
+            outs.append(out)
         attention.current.step = None
         torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)

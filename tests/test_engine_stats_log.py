@@ -9,7 +9,7 @@ import httpx
 from enginecore.engine_base import EngineLoad
 from enginecore.step_stats import StepCounts, StepStatsLog
 
-LINE = re.compile(r"engine: (\d+) steps in ([\d.]+) s \((\d+) of them decodes replayed from CUDA graphs\), "
+LINE = re.compile(r"engine: (\d+) steps in ([\d.]+) s \((\d+) of them replayed from CUDA graphs\), "
                   r"([\d.]+) ms a step; ([\d,]+) prompt and ([\d,]+) generated tokens/s; (\d+) running, "
                   r"(\d+) waiting, KV cache (\d+)%")
 

@@ -1,6 +1,7 @@
 """enginecore.step_inputs against a plain, token-by-token description of the same step: every tensor exactly equal,
 for mixed batches (decodes, one-token prompt chunks, prompt chunks, prompt logprobs, pending placeholder tokens,
-block tables longer than the context), for both attention layouts and for a CUDA graph's padded decode batch."""
+block tables longer than the context), for both attention layouts, and padded for CUDA graphs: a decode batch, and a
+varlen step of any kind."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,8 @@ import random
 import torch
 
 from enginecore.sequence import Sequence
-from enginecore.step_inputs import DecodePadding, build_step_inputs
+import pytest
+from enginecore.step_inputs import DecodePadding, MixedPadding, build_step_inputs
 from ipc.sampling import SamplingParams
 
 BLOCK = 4
@@ -143,3 +145,47 @@ def test_padded_decode_batches_match_the_token_by_token_description():
                 assert att.decode_blocks.view(rows, blocks).tolist() == want_table
                 assert att.decode_mask[:, 0, 0, :].tolist() == [[j < k for j in range(blocks * BLOCK)]
                                                                  for k in lengths]
+
+
+def test_mixed_padding_keeps_the_step_and_adds_padding_runs():
+    """A varlen step padded to a CUDA graph's (tokens, runs, blocks): the real rows and runs as unpadded; the first
+    padding run takes the padding tokens, the last the padding blocks, each sees one scratch slot; max_q and max_k
+    are the graph's bounds."""
+    rng = random.Random(2)
+    for _ in range(300):
+        entries = _entries(rng)
+        ctx = [seq.num_computed_tokens + n for seq, n in entries]
+        counts = [-(-k // BLOCK) for k in ctx]
+        tokens, runs, blocks = sum(n for _, n in entries), len(entries), sum(counts)
+        extra_runs = 1 + rng.randrange(3)
+        padding = MixedPadding(tokens=tokens + rng.randrange(6), runs=runs + extra_runs,
+                               blocks=blocks + extra_runs + rng.randrange(5), scratch_block=999)
+        inputs = build_step_inputs(entries, BLOCK, CPU, padding, varlen=True)
+        _check_common(inputs, entries)
+        pad = padding.tokens - tokens
+        assert inputs.input_ids[0, tokens:].tolist() == [0] * pad
+        assert inputs.positions[0, tokens:].tolist() == [0] * pad
+        assert inputs.attention.slot_mapping[tokens:].tolist() == [999 * BLOCK] * pad
+        assert inputs.graph_shape == (padding.tokens, padding.runs, padding.blocks)
+        v = inputs.attention.varlen
+        q_lens = [n for _, n in entries] + [pad] + [0] * (extra_runs - 1)
+        block_counts = counts + [1] * (extra_runs - 1) + [padding.blocks - blocks - (extra_runs - 1)]
+        assert v.cu_q.tolist() == [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+        assert v.cu_k.tolist() == [sum(block_counts[:i]) * BLOCK for i in range(len(block_counts) + 1)]
+        assert v.seqused_k.tolist() == ctx + [1] * extra_runs
+        assert v.kv_blocks.tolist() == ([b for (seq, _), c in zip(entries, counts) for b in seq.block_table[:c]]
+                                        + [999] * (padding.blocks - blocks))
+        assert (v.max_q, v.max_k) == (padding.tokens, padding.blocks * BLOCK)
+
+
+def test_mixed_padding_that_does_not_fit_is_refused():
+    entries = _entries(random.Random(3))
+    tokens, runs = sum(n for _, n in entries), len(entries)
+    blocks = sum(-(-(seq.num_computed_tokens + n) // BLOCK) for seq, n in entries)
+    for bad in (MixedPadding(tokens - 1, runs + 1, blocks + 1, 999),  # too few tokens
+                MixedPadding(tokens, runs, blocks + 1, 999),  # no padding run
+                MixedPadding(tokens, runs + 2, blocks + 1, 999)):  # too few blocks for two padding runs
+        with pytest.raises(ValueError):
+            build_step_inputs(entries, BLOCK, CPU, bad, varlen=True)
+    with pytest.raises(ValueError):
+        build_step_inputs(entries, BLOCK, CPU, MixedPadding(tokens, runs + 1, blocks + 1, 999), varlen=False)

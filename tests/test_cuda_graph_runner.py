@@ -1,0 +1,153 @@
+"""enginecore.cuda_graphs.CudaGraphRunner on the CPU: its buckets, its padding and its static buffers, in a whole
+engine run, with a stand-in for the CUDA capture.
+
+A CUDA graph replays the kernels it recorded on the addresses it recorded: what a step changes reaches it only
+through the static buffers the runner copies the step's inputs into. The stand-in keeps exactly that contract (its
+replay recomputes the captured function from the same static buffers into the same output), so a value the runner
+forgets to copy is stale here as on a GPU, and the tokens go wrong. Flash varlen attention is replaced by its plain
+torch reference (attention.varlen_reference), as in tests/test_attention.py. tests/test_engine_cuda.py runs the
+real graphs on a GPU."""
+from collections import Counter
+
+import pytest
+import torch
+from enginecore import attention
+from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket
+from enginecore.sequence import Sequence
+from enginecore.step_inputs import DecodePadding, MixedPadding
+from ipc.messages import EngineRequest
+from ipc.sampling import SamplingParams
+from tests.test_engine_support import (  # noqa: F401
+    greedy_request, make_engine, prompts, reference_greedy, run_outputs,
+)
+
+MAX_GRAPH_TOKENS = 48
+
+
+class StandInCapture:
+    """What torch.cuda.graph gives the runner, on the CPU: replay recomputes fn from its static buffers in place.
+    Counts replays by kind: decode graphs are keyed (batch, blocks), the others (tokens, runs, blocks)."""
+
+    def __init__(self):
+        self.replays = Counter()
+
+    def __call__(self, fn):
+        output = fn()
+        kind = "decode" if output.shape[-1] > 1000 else "mixed"  # logits (vocab) or the layers' output (hidden)
+
+        def replay():
+            self.replays[kind] += 1
+            output.copy_(fn())
+
+        return replay, output
+
+
+def graph_engine(monkeypatch, **settings):
+    monkeypatch.setattr(attention, "flash_varlen", attention.varlen_reference)
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, **settings)
+    eager = engine.runner
+    eager.varlen = True  # as on CUDA in half precision
+    capture = StandInCapture()
+    engine.runner = CudaGraphRunner(eager, 8, engine.max_model_len, MAX_GRAPH_TOKENS, capture=capture)
+    engine.runner.capture_common()
+    return engine, capture
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graph_steps_give_transformers_greedy_tokens(monkeypatch, prompts, async_scheduling):
+    """Five prompts of 10 to 300 tokens arriving over the first steps, chunked by a 64-token budget: steps mix
+    decodes with prompt chunks, some over the graph limit (eager), most under it (graphs of the layers), and the
+    decode-only ones replay decode graphs. Every token equals plain transformers'; prompt logprobs, whose rows the
+    eager head computes after a graph, equal the eager engine's."""
+    engine, capture = graph_engine(monkeypatch, async_scheduling=async_scheduling)
+    want = {f"r{i}": reference_greedy(p, 12) for i, p in enumerate(prompts)}
+    arrivals = list(enumerate(prompts))
+    got: dict[str, list[int]] = {}
+    logprobs = []
+    steps = 0
+    while arrivals or engine.has_work():
+        if arrivals and steps % 2 == 0:  # one new request every other step
+            i, prompt = arrivals.pop(0)
+            sampling = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2 if i == 2 else None)
+            for out in engine.add_request(EngineRequest(f"r{i}", prompt, sampling)):
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for _, out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.prompt_logprobs:
+                logprobs.append(out.prompt_logprobs)
+        steps += 1
+    assert got == want
+    assert capture.replays["mixed"] >= 5 and capture.replays["decode"] >= 5, capture.replays
+    assert engine.step_counts.graph_steps == sum(capture.replays.values())
+    assert engine.step_counts.graph_steps < engine.step_counts.steps  # the 64-token chunks ran eagerly
+
+    eager = run_outputs(make_engine(max_num_seqs=8, max_num_batched_tokens=64),
+                        [EngineRequest("r2", prompts[2], SamplingParams(max_tokens=1, prompt_logprobs=2))])
+    eager_logprobs = [out.prompt_logprobs for out in eager[("r2", 0)] if out.prompt_logprobs]
+    assert _flat(logprobs) == pytest.approx(_flat(eager_logprobs), abs=1e-3)
+
+
+def _flat(prompt_logprobs: list) -> list[float]:
+    return [lp for chunk in prompt_logprobs for entry in chunk for lp in _numbers(entry)]
+
+
+def _numbers(entry):
+    if isinstance(entry, (int, float)):
+        yield float(entry)
+    elif isinstance(entry, (list, tuple)):
+        for item in entry:
+            yield from _numbers(item)
+
+
+def _seq(tokens: list[int], computed: int, blocks: iter) -> Sequence:
+    return Sequence(seq_id=0, request_id="x", client=None, index=0, token_ids=tokens, num_prompt_tokens=len(tokens),
+                    sampling=SamplingParams(), priority=0, arrival=0, num_computed_tokens=computed,
+                    block_table=[next(blocks) for _ in range(-(-len(tokens) // 16))])
+
+
+def test_a_graph_replays_other_steps_of_its_shape(monkeypatch, prompts):
+    """Two different steps of one bucket (16 tokens, 4 runs, 7 blocks): the second replays the graph the first
+    captured, and both give the eager forward's logits. Every value that differs between them (token ids,
+    positions, slots, blocks, run bounds, context lengths) must reach the graph through its buffers."""
+    engine, capture = graph_engine(monkeypatch)
+    runner = engine.runner
+    torch.manual_seed(0)
+    engine.kv_cache.tensor.normal_(std=0.5)  # contexts "already computed": whatever the cache holds
+    blocks = iter(torch.randperm(engine.kv_cache.num_blocks).tolist())
+    words = prompts[4]
+    first = [(_seq(words[:20], 19, blocks), 1), (_seq(words[5:38], 32, blocks), 1), (_seq(words[40:52], 0, blocks), 12)]
+    second = [(_seq(words[1:41], 39, blocks), 1), (_seq(words[60:82], 16, blocks), 6), (_seq(words[90:95], 0, blocks), 5)]
+    for step in (first, second):
+        inputs = runner.prepare(step)
+        assert inputs.graph_shape == (16, 4, 7)
+        got = runner.forward(inputs)
+        want = runner.eager.forward(runner.eager.prepare(step))
+        assert got.shape == want.shape == (3, want.shape[1])
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert capture.replays["mixed"] == 2 and runner.shapes[-1] == (16, 4, 7) and len(runner.shapes) == len(runner.batch_buckets) + 1
+
+
+def test_which_graph_a_step_gets(monkeypatch, prompts):
+    engine, _ = graph_engine(monkeypatch)
+    runner, words = engine.runner, prompts[4]
+    blocks = iter(range(engine.kv_cache.num_blocks))
+    decodes = [(_seq(words[:20], 19, blocks), 1), (_seq(words[:40], 39, blocks), 1), (_seq(words[:3], 2, blocks), 1)]
+    assert runner._padding(decodes) == DecodePadding(4, 16, engine.kv_cache.scratch_block)  # 256 tokens a row
+    # One token of a prompt that is not its last: not a decode (not sampled); a graph of at least 2 tokens, as
+    # flash's decode path (max_q 1) cannot take padding runs.
+    chunk = [(_seq(words[:30], 10, blocks), 1)]
+    assert runner._padding(chunk) == MixedPadding(2, 2, 2, engine.kv_cache.scratch_block)
+    prefill = [(_seq(words[:MAX_GRAPH_TOKENS + 1], 0, blocks), MAX_GRAPH_TOKENS + 1)]
+    assert runner._padding(prefill) is None  # over --cuda-graph-max-tokens: eager
+    # 43 tokens, 4 runs and 4 of padding, 9 blocks and one per padding run (13, a quarter octave up: 14).
+    assert runner._padding(decodes + [(_seq(words[:40], 0, blocks), 40)]) == \
+        MixedPadding(MAX_GRAPH_TOKENS, 8, 14, engine.kv_cache.scratch_block)
+    no_mixed = CudaGraphRunner(runner.eager, 8, engine.max_model_len, 0, capture=StandInCapture())
+    assert no_mixed._padding(chunk) is None and no_mixed._padding(decodes) is not None
+
+
+def test_buckets():
+    assert [blocks_bucket(n) for n in (1, 7, 8, 9, 17, 100, 2100, 3000, 4096)] == \
+        [1, 7, 8, 10, 20, 112, 2560, 3072, 4096]
+    for n in range(1, 5000):
+        assert n <= blocks_bucket(n) <= n * 1.25
