@@ -50,6 +50,7 @@ def test_directory_that_is_not_a_model_is_refused(tmp_path):
     (("--log-stats-interval", "-1"), "--log-stats-interval"),
     (("--log-stats-interval", "soon"), "--log-stats-interval"),
     (("--async-scheduling=yes",), "--async-scheduling"),
+    (("--cuda-graph-max-tokens", "-8"), "--cuda-graph-max-tokens"),
 ])
 def test_bad_option_values_are_refused_before_anything_starts(args, flag):
     result = run_supervise(*args, timeout=30)
