@@ -4,7 +4,9 @@
 #   2. tests/test_engine_cuda.py, then bench/engine.py: the engine core against plain transformers, 256 requests
 #      of 128 + 128 tokens, on three shapes with random weights built on the GPU (--load-format dummy):
 #      SmolLM2-135M (.device/smollm2: config + real tokenizer), Llama-3.2-1B and Llama-3.1-8B (bench/models:
-#      their published config.json, a synthetic tokenizer made for their vocabulary);
+#      their published config.json, a synthetic tokenizer made for their vocabulary); for the 135M shape also
+#      the engine alone under serve's closed loop (1024 requests, 256 in flight), with CUDA graphs for steps with
+#      prompt tokens and without (--cuda-graph-max-tokens 0);
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams.
@@ -37,6 +39,7 @@ if [ "$CPU" = 1 ]; then
   ENGINE_ARGS="--num-prompts 4 --prompt-len 16 --output-len 8"
   FRONTEND_ARGS="--servers 1 2 --duration 2 --warmup 0.5 --stream-tokens 32 --paced-tokens 16 --client-processes 1"
   SERVE_ARGS="--num-prompts 8 --max-concurrency 4 --input-len 16 --output-len 8"
+  CLOSED_LOOP_ARGS="--closed-loop 8"
   SUPERVISE_ARGS="--max-num-seqs 8"
   # The real shapes: the 1B only (the 8B is 32 GB in float32), a few tokens (about 1 s a step on 2 cores).
   SHAPES="llama-3.2-1b"
@@ -50,6 +53,7 @@ else
   ENGINE_ARGS="--num-prompts 256 --prompt-len 128 --output-len 128"
   FRONTEND_ARGS="--servers 1 8 --duration 6 --warmup 1 --client-processes 4 --engines 4"
   SERVE_ARGS="--num-prompts 1024 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 60"
+  CLOSED_LOOP_ARGS="--closed-loop 1024"  # the engine alone under serve's closed loop, for the summary
   SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192 --log-stats-interval 2"
   SHAPES="llama-3.2-1b llama-3.1-8b"
   PROFILE_ARGS="--num-seqs 256 --prompt-len 128 --steps 50"
@@ -117,7 +121,8 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
   # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it, so the steps
   # run in the order of what matters most: the 135M shape (engine, step split, end to end), then the 8B, then the
   # front end alone, then the 1B.
-  engine_step engine "$MODEL_DIR" 100 $ENGINE_ARGS
+  # shellcheck disable=SC2086
+  engine_step engine "$MODEL_DIR" 100 $ENGINE_ARGS $CLOSED_LOOP_ARGS
   # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle; asynchronous scheduling on and off.
   profile_step profile "$MODEL_DIR" on
   profile_step profile-sync "$MODEL_DIR" off
@@ -128,6 +133,9 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
+  # The closed loop again with graphs for decode-only steps only: what the graphs of steps with prompt tokens gain.
+  [ "$CPU" = 1 ] || engine_step loop-decode-graphs-only "$MODEL_DIR" 60 $ENGINE_ARGS $CLOSED_LOOP_ARGS \
+    --cuda-graph-max-tokens 0 --no-hf --no-single
   # shellcheck disable=SC2086
   step frontend 100 "$PYTHON" bench/frontend.py $FRONTEND_ARGS --result-json "$OUT/frontend.json" \
     --plot "$OUT/frontend.png"

@@ -135,13 +135,31 @@ def end_to_end_rows(out_dir: str) -> list[tuple[str, str, str]]:
     if not os.path.isfile(engine):
         return []
     match = re.search(r"\d+ requests\s+supervise engine core\s+\d+\s+[\d.]+\s+([\d.]+)", open(engine).read())
+    # The engine under serve.py's closed loop (bench/engine.py --closed-loop): how much of the gap is the engine's;
+    # and the same loop with graphs for decode-only steps only: what graphs of steps with prompt tokens gain.
+    loop = _closed_loop_rate(engine)
     rows = []
+    if loop:
+        rows.append(("engine: out tok/s, closed loop like serve's", f"{loop:.0f}", ""))
+    decode_graphs_only = _closed_loop_rate(os.path.join(out_dir, "loop-decode-graphs-only.txt"))
+    if decode_graphs_only:
+        rows.append(("the same, graphs for decode-only steps only", f"{decode_graphs_only:.0f}", ""))
     for name in ("serve", "serve-4-servers"):
         path = os.path.join(out_dir, name + ".json")
         if match and os.path.isfile(path):
             served = json.load(open(path))["runs"][0]["summary"]["output_throughput"]
             rows.append((f"{name} / engine: output tok/s", f"{served / float(match.group(1)):.0%}", ">= 95%"))
+            if loop:
+                rows.append((f"{name} / engine in the same closed loop", f"{served / loop:.0%}", ""))
     return rows
+
+
+def _closed_loop_rate(path: str) -> float | None:
+    """The out tok/s of bench/engine.py's --closed-loop row in `path`, if there."""
+    if not os.path.isfile(path):
+        return None
+    found = re.search(r"\d+ requests, loop\s+supervise engine core\s+\d+\s+[\d.]+\s+([\d.]+)", open(path).read())
+    return float(found.group(1)) if found else None
 
 
 def shapes(out_dir: str, prefix: str, suffix: str) -> list[tuple[str, str]]:

@@ -3,12 +3,15 @@
     .venv/bin/python bench/engine.py                                   # CPU: 32 prompts of 128 + 128 tokens
     python3 bench/engine.py --model DIR --device cuda --num-prompts 256   # one H200: target >= 20,000 out tok/s
     python3 bench/engine.py --model bench/models/llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16
+    python3 bench/engine.py --num-prompts 256 --closed-loop 1024 ...   # also 1024 requests, 256 in flight at a time
     (bench/device.sh runs these with random weights: --load-format dummy on the SmolLM2-135M and Llama shapes)
 
 Both sides get the same random prompts (all of --prompt-len tokens) and produce exactly --output-len tokens each,
 greedily (the engine with ignore_eos, transformers with min_new_tokens). transformers runs them as static batches
 of --hf-batch-size (default: all at once), the engine as continuous batching under its own limits. A single-stream
-row (one request alone) is printed too unless --no-single.
+row (one request alone) is printed too unless --no-single. `--closed-loop N` adds a row of N requests kept
+--max-num-seqs in flight (the load bench/serve.py's --max-concurrency puts on a served group, where nearly every
+step holds some new request's prefill beside the decodes).
 
 It also prints what the prefix cache's block key costs per full block: the SHA-256 digest chained over the parent
 block's digest and the block's token ids, against Python's hash() of the same (the old key, cheap to collide on
@@ -49,8 +52,14 @@ def parse_args() -> argparse.Namespace:
                    help="default: 8192 on CUDA (a GPU step of 8k tokens costs little more than of 2k), else 2048")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=ServeConfig.cuda_graph_max_tokens,
+                   help="CUDA: the most tokens of a step with prompt tokens that replays a graph (0: decodes only)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
+    p.add_argument("--closed-loop", type=int, default=0, metavar="N",
+                   help="also run N requests (--prompt-len + --output-len each, prompts reused) keeping "
+                        "--max-num-seqs in flight, a new one as one ends: bench/serve.py's closed loop without the "
+                        "API servers, so that an end-to-end run compares with the engine under the same load")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
     p.add_argument("--no-hf", action="store_true", help="skip plain transformers")
     p.add_argument("--no-single", action="store_true", help="skip the single-stream rows")
@@ -73,6 +82,31 @@ def run_engine(core: EngineCore, prompts: list[list[int]], output_len: int) -> t
     _sync(core.device)
     elapsed = time.perf_counter() - started
     return sum(len(t) for t in out.values()), elapsed
+
+
+def run_engine_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int, total: int,
+                           concurrency: int) -> tuple[int, float]:
+    """`total` requests, `concurrency` in flight: each one that ends is replaced at once, as clients in a closed
+    loop do, so prefills of new requests keep joining the running decodes."""
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sent = tokens = 0
+
+    def send() -> None:
+        nonlocal sent
+        core.add_request(EngineRequest(f"c{sent}", prompts[sent % len(prompts)], sp))
+        sent += 1
+
+    _sync(core.device)
+    started = time.perf_counter()
+    while sent < min(concurrency, total):
+        send()
+    while core.has_work():
+        for _, out in core.step():
+            tokens += len(out.new_token_ids)
+            if out.finish_reason is not None and sent < total:
+                send()
+    _sync(core.device)
+    return tokens, time.perf_counter() - started
 
 
 @torch.inference_mode()
@@ -147,13 +181,16 @@ def main() -> None:
     config = ServeConfig(
         model=args.model, device=str(loaded.device), dtype=args.dtype, load_format=args.load_format,
         max_num_seqs=args.max_num_seqs or len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         max_model_len=args.prompt_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
     )
     core = EngineCore(config, loaded=loaded)
     run_engine(core, prompts[: min(4, len(prompts))], 8)  # warm-up (and CUDA graph capture)
     engine_results = {"batch": run_engine(core, prompts, args.output_len)}
+    if args.closed_loop:
+        engine_results["closed"] = run_engine_closed_loop(core, prompts, args.output_len, args.closed_loop,
+                                                          config.max_num_seqs)
     if not args.no_single:
         engine_results["single"] = run_engine(core, prompts[:1], args.output_len)
 
@@ -162,10 +199,13 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each; engine: "
           f"max-num-batched-tokens {token_budget}"
-          + (f", CUDA graphs {'off' if args.enforce_eager else 'on'}" if loaded.device.type == "cuda" else "")
+          + (f", CUDA graphs {'off' if args.enforce_eager else 'on'} (steps with prompt tokens: up to "
+             f"{args.cuda_graph_max_tokens} tokens)" if loaded.device.type == "cuda" else "")
           + f", async scheduling {'on' if core.async_scheduling else 'off'}")
     print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
-    for name, label in (("batch", f"{args.num_prompts} requests"), ("single", "1 request")):
+    rows = (("batch", f"{args.num_prompts} requests"), ("closed", f"{args.closed_loop} requests, loop"),
+            ("single", "1 request"))
+    for name, label in rows:
         if name not in engine_results:
             continue
         tokens, secs = engine_results[name]
