@@ -12,7 +12,8 @@ graph's static buffers; the step is padded to its bucket. Two kinds:
   running decodes), where flash varlen attention runs (CUDA, half precision) and the lean forward does: the layers
   only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM head run
   eagerly on the rows the step samples, whatever their number. At most --cuda-graph-max-tokens tokens: beyond,
-  the products dominate and launches do not matter. Without this, such a step launched some 500 kernels from
+  the products dominate and launches do not matter. At most MAX_MIXED_GRAPHS such graphs, all writing their
+  output into one buffer. Without this, such a step launched some 500 kernels from
   Python one by one (SmolLM2-135M), longer than the GPU took to run them.
 """
 from __future__ import annotations
@@ -38,6 +39,10 @@ MAX_GRAPH_CONTEXT = 8192
 # Graphs gather at least this many tokens per sequence: on a GPU a short context costs about the same, and fewer
 # shapes mean fewer graphs.
 MIN_GRAPH_CONTEXT = 256
+
+# Graphs of steps with prompt tokens kept at most: their shapes vary with the load (a closed loop of clients settles
+# on about a dozen), and each costs a capture pause; beyond this, steps of new shapes run eagerly.
+MAX_MIXED_GRAPHS = 256
 
 # capture(fn) -> (replay, output): records fn (a forward pass over static buffers, returning its output tensor);
 # each replay recomputes that output in place from the buffers' current values.
@@ -105,6 +110,13 @@ class CudaGraphRunner:
         self.run_buckets = batch_buckets(max_num_seqs + 1)  # a mixed step's runs, and one of padding
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._capture_fn = capture or CudaCapture(self.device)
+        self._num_mixed = 0
+        # The layers' output of every graph of a step with prompt tokens, one buffer for all (a step reads it
+        # before the next replays): per graph it would be up to 8 MB (Llama-3.1-8B, 1024 tokens).
+        self._hidden: torch.Tensor | None = None
+        if self.token_buckets:
+            embed = eager.lean_model.embed
+            self._hidden = embed.new_empty(self.token_buckets[-1], embed.shape[1])
 
     def capture_common(self) -> None:
         """Capture every batch size for the shortest contexts now, so serving starts without capture pauses;
@@ -168,8 +180,11 @@ class CudaGraphRunner:
         if tokens > self.token_buckets[-1]:
             return None
         padded_runs = _bucket(self.run_buckets, runs + 1)
-        return MixedPadding(_bucket(self.token_buckets, tokens), padded_runs,
-                            blocks_bucket(blocks + padded_runs - runs), self.kv_cache.scratch_block)
+        padding = MixedPadding(_bucket(self.token_buckets, tokens), padded_runs,
+                               blocks_bucket(blocks + padded_runs - runs), self.kv_cache.scratch_block)
+        if self._num_mixed >= MAX_MIXED_GRAPHS and (padding.tokens, padding.runs, padding.blocks) not in self._graphs:
+            return None
+        return padding
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -191,7 +206,18 @@ class CudaGraphRunner:
         # The graph's own copies of the inputs: every replay copies the step's values into them.
         static = copy.deepcopy(dataclasses.replace(example, sample_seqs=[], prompt_runs=[]))
         if _is_mixed(example):
-            replay, output = self._capture_fn(lambda: self.eager.hidden(static))
+            self._num_mixed += 1
+            if self._num_mixed == MAX_MIXED_GRAPHS:
+                log.info("%d CUDA graphs of steps with prompt tokens captured, the most kept: steps of other "
+                         "shapes run eagerly from now on", MAX_MIXED_GRAPHS)
+            hidden = self._hidden
+            assert hidden is not None  # token_buckets is not empty
+
+            def layers() -> torch.Tensor:
+                out = self.eager.hidden(static)
+                return hidden[: out.shape[0]].copy_(out)
+
+            replay, output = self._capture_fn(layers)
         else:
             replay, output = self._capture_fn(lambda: self.eager.forward(static))  # the lean forward, or transformers'
         log.debug("captured a CUDA graph for shape %s in %.2f s", example.graph_shape, time.monotonic() - started)

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 from enginecore import attention
+from enginecore import cuda_graphs
 from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import DecodePadding, MixedPadding
@@ -144,6 +145,21 @@ def test_which_graph_a_step_gets(monkeypatch, prompts):
         MixedPadding(MAX_GRAPH_TOKENS, 8, 14, engine.kv_cache.scratch_block)
     no_mixed = CudaGraphRunner(runner.eager, 8, engine.max_model_len, 0, capture=StandInCapture())
     assert no_mixed._padding(chunk) is None and no_mixed._padding(decodes) is not None
+
+
+def test_graphs_of_steps_with_prompt_tokens_are_capped(monkeypatch, prompts):
+    """A server whose load keeps changing would capture graphs without end: past the cap, steps of new shapes run
+    eagerly, those of shapes already captured still replay theirs."""
+    engine, capture = graph_engine(monkeypatch)
+    monkeypatch.setattr(cuda_graphs, "MAX_MIXED_GRAPHS", 1)
+    runner, words = engine.runner, prompts[4]
+    blocks = iter(range(engine.kv_cache.num_blocks))
+    first = [(_seq(words[:20], 19, blocks), 1), (_seq(words[:10], 0, blocks), 10)]
+    other = [(_seq(words[:20], 19, blocks), 1), (_seq(words[:30], 0, blocks), 30)]
+    runner.forward(runner.prepare(first))
+    assert capture.replays["mixed"] == 1
+    assert runner.prepare(other).graph_shape is None
+    assert runner.prepare(first).graph_shape == runner.shapes[-1]
 
 
 def test_buckets():
