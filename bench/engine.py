@@ -85,17 +85,31 @@ def run_engine(core: EngineCore, prompts: list[list[int]], output_len: int) -> t
 
 
 def run_engine_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int, total: int,
-                           concurrency: int) -> tuple[int, float]:
+                           concurrency: int, graph_tokens: int) -> tuple[int, float, str]:
     """`total` requests, `concurrency` in flight: each one that ends is replaced at once, as clients in a closed
-    loop do, so prefills of new requests keep joining the running decodes."""
+    loop do, so prefills of new requests join the running decodes. Also returns what kinds of steps ran."""
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     sent = tokens = 0
+    kinds = {"decode-only": 0, f"with prompt tokens, at most {graph_tokens} in all": 0,
+             f"with prompt tokens, more than {graph_tokens}": 0}
+    names = list(kinds)
+    schedule = core.scheduler.schedule
+
+    def counted_schedule():
+        batch = schedule()
+        if batch:
+            step_tokens = sum(n for _, n in batch.entries)
+            kind = 0 if step_tokens == len(batch.entries) else (1 if step_tokens <= graph_tokens else 2)
+            kinds[names[kind]] += 1
+        return batch
 
     def send() -> None:
         nonlocal sent
         core.add_request(EngineRequest(f"c{sent}", prompts[sent % len(prompts)], sp))
         sent += 1
 
+    graph_steps = core.step_counts.graph_steps
+    core.scheduler.schedule = counted_schedule
     _sync(core.device)
     started = time.perf_counter()
     while sent < min(concurrency, total):
@@ -106,7 +120,11 @@ def run_engine_closed_loop(core: EngineCore, prompts: list[list[int]], output_le
             if out.finish_reason is not None and sent < total:
                 send()
     _sync(core.device)
-    return tokens, time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    core.scheduler.schedule = schedule
+    mix = (f"closed loop: {sum(kinds.values())} steps: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+           + f"; {core.step_counts.graph_steps - graph_steps} replayed from CUDA graphs")
+    return tokens, elapsed, mix
 
 
 @torch.inference_mode()
@@ -188,9 +206,12 @@ def main() -> None:
     core = EngineCore(config, loaded=loaded)
     run_engine(core, prompts[: min(4, len(prompts))], 8)  # warm-up (and CUDA graph capture)
     engine_results = {"batch": run_engine(core, prompts, args.output_len)}
+    loop_mix = ""
     if args.closed_loop:
-        engine_results["closed"] = run_engine_closed_loop(core, prompts, args.output_len, args.closed_loop,
-                                                          config.max_num_seqs)
+        tokens, seconds, loop_mix = run_engine_closed_loop(core, prompts, args.output_len, args.closed_loop,
+                                                           config.max_num_seqs,
+                                                           min(args.cuda_graph_max_tokens, token_budget))
+        engine_results["closed"] = (tokens, seconds)
     if not args.no_single:
         engine_results["single"] = run_engine(core, prompts[:1], args.output_len)
 
@@ -217,6 +238,8 @@ def main() -> None:
             print(f"{label:<22}{hf_name:<26}{hf[0]:>11}{hf[1]:>10.2f}{hf_rate:>12.1f}{1.0:>8.2f}")
         ratio = f"{rate / (hf[0] / hf[1]):>8.2f}" if hf else f"{'':>8}"
         print(f"{label:<22}{'supervise engine core':<26}{tokens:>11}{secs:>10.2f}{rate:>12.1f}{ratio}")
+    if loop_mix:
+        print(loop_mix)
     print()
     print_block_key_cost(args.block_size)
 

@@ -193,7 +193,18 @@ class CudaGraphRunner:
             return self.eager.forward(inputs)
         graph = self._graphs.get(shape)
         if graph is None:
-            graph = self._graphs[shape] = self._capture(inputs)
+            try:
+                graph = self._capture(inputs)
+            except Exception:
+                if not _is_mixed(inputs):
+                    raise
+                # A new kind of graph that this GPU or torch build cannot capture must not take the engine down:
+                # such steps run eagerly from now on (a padded step is a valid eager step too).
+                log.exception("capturing a CUDA graph of a step with prompt tokens failed; such steps run eagerly "
+                              "from now on (--cuda-graph-max-tokens 0 does so from the start)")
+                self.token_buckets = []
+                return self.eager.forward(inputs)
+            self._graphs[shape] = graph
         for static, new in zip(_device_tensors(graph.inputs), _device_tensors(inputs)):
             static.copy_(new, non_blocking=True)
         graph.replay()

@@ -218,6 +218,7 @@ class EngineCore(EngineBase):
         if inputs.graph_shape is not None:
             counts.graph_steps += 1
         if batch.entries[-1][1] > 1:  # prompt chunks of more than one token come last
+            counts.prompt_steps += 1
             counts.prompt_tokens += sum(n for _, n in batch.entries if n > 1)
         if pending is not None and pending.seqs:
             _read_pending_tokens(inputs.input_ids, pending.sampled.token_ids)

@@ -1,15 +1,16 @@
 """The engine's activity in the log: one line every --log-stats-interval seconds while it works (vLLM logs the
 same kind of line), e.g.
 
-    engine: 412 steps in 10.0 s (380 of them replayed from CUDA graphs), 24.3 ms a step; 5,210 prompt and
+    engine: 412 steps in 10.0 s (31 with prompt tokens; 380 replayed from CUDA graphs), 24.3 ms a step; 5,210 prompt and
     10,400 generated tokens/s; 64 running, 0 waiting, KV cache 12%
 
 An operator sees the engine's pace and load without a metrics stack; a benchmark run on a GPU sees how many steps
-ran eagerly (long prefills, or all with --enforce-eager) and what a step costs. The engine counts (StepCounts,
+held prompt tokens, how many ran eagerly (long prefills, or all with --enforce-eager) and what a step costs. The engine counts (StepCounts,
 updated by the engine as it steps); the serve loop times the steps and writes the line.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class StepCounts:
 
     steps: int = 0
     graph_steps: int = 0  # steps replayed from a CUDA graph
+    prompt_steps: int = 0  # steps with a prompt chunk of more than one token
     prompt_tokens: int = 0  # prompt tokens computed (prefill chunks, recomputes after preemption)
     generated_tokens: int = 0
 
@@ -61,8 +63,9 @@ class StepStatsLog:
         steps = c.steps - last.steps
         elapsed = now - self._since
         if steps and elapsed > 0:
-            line = (f"engine: {steps} steps in {elapsed:.1f} s ({c.graph_steps - last.graph_steps} of them "
-                    f"replayed from CUDA graphs), {self._busy / steps * 1e3:.1f} ms a step; "
+            line = (f"engine: {steps} steps in {elapsed:.1f} s ({c.prompt_steps - last.prompt_steps} with prompt "
+                    f"tokens; {c.graph_steps - last.graph_steps} replayed from CUDA graphs), "
+                    f"{self._busy / steps * 1e3:.1f} ms a step; "
                     f"{(c.prompt_tokens - last.prompt_tokens) / elapsed:,.0f} prompt and "
                     f"{(c.generated_tokens - last.generated_tokens) / elapsed:,.0f} generated tokens/s")
             if self._load is not None:
@@ -70,4 +73,4 @@ class StepStatsLog:
                 line += f"; {load.num_running} running, {load.num_waiting} waiting, KV cache {load.kv_cache_usage:.0%}"
             log.info(line)
         self._since, self._busy, self._window_open = now, 0.0, False
-        self._last = StepCounts(c.steps, c.graph_steps, c.prompt_tokens, c.generated_tokens)
+        self._last = dataclasses.replace(c)

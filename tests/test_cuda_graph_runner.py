@@ -162,6 +162,28 @@ def test_graphs_of_steps_with_prompt_tokens_are_capped(monkeypatch, prompts):
     assert runner.prepare(first).graph_shape == runner.shapes[-1]
 
 
+def test_a_failed_capture_of_a_step_with_prompt_tokens_falls_back_to_eager(monkeypatch, prompts, caplog):
+    """The new kind of graph failing to capture (a GPU or torch build it does not suit) costs the graphs of such
+    steps, not the engine: the step runs eagerly, padded as it is, with the same logits, and so do later ones."""
+    engine, capture = graph_engine(monkeypatch)
+    runner, words = engine.runner, prompts[4]
+    blocks = iter(range(engine.kv_cache.num_blocks))
+    step = [(_seq(words[:20], 19, blocks), 1), (_seq(words[:10], 0, blocks), 10)]
+
+    def failing(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner._capture_fn = failing
+    inputs = runner.prepare(step)
+    assert inputs.graph_shape is not None
+    got = runner.forward(inputs)
+    torch.testing.assert_close(got, runner.eager.forward(runner.eager.prepare(step)), atol=2e-3, rtol=2e-3)
+    assert "run eagerly from now on" in caplog.text
+    assert runner.prepare(step).graph_shape is None
+    decodes = [(_seq(words[:20], 19, blocks), 1)]
+    assert runner.prepare(decodes).graph_shape is not None  # decode graphs stay
+
+
 def test_buckets():
     assert [blocks_bucket(n) for n in (1, 7, 8, 9, 17, 100, 2100, 3000, 4096)] == \
         [1, 7, 8, 10, 20, 112, 2560, 3072, 4096]

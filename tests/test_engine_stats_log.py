@@ -9,7 +9,7 @@ import httpx
 from enginecore.engine_base import EngineLoad
 from enginecore.step_stats import StepCounts, StepStatsLog
 
-LINE = re.compile(r"engine: (\d+) steps in ([\d.]+) s \((\d+) of them replayed from CUDA graphs\), "
+LINE = re.compile(r"engine: (\d+) steps in ([\d.]+) s \((\d+) with prompt tokens; (\d+) replayed from CUDA graphs\), "
                   r"([\d.]+) ms a step; ([\d,]+) prompt and ([\d,]+) generated tokens/s; (\d+) running, "
                   r"(\d+) waiting, KV cache (\d+)%")
 
@@ -23,13 +23,14 @@ def test_the_line_from_scripted_counts(caplog):
     for _ in range(40):  # 40 steps of 0.25 s back to back: the line comes once 10 s have passed, not before
         counts.steps += 1
         counts.graph_steps += 1
+        counts.prompt_steps += counts.steps % 2
         counts.generated_tokens += 3
         now[0] += 0.25
         log.stepped(0.25)
         assert not caplog.records or counts.steps == 40
     (line,) = [r.getMessage() for r in caplog.records]
-    steps, seconds, graphs, ms, prompt, generated, running, waiting, kv = LINE.fullmatch(line).groups()
-    assert (steps, graphs, seconds, ms) == ("40", "40", "10.0", "250.0")  # from the first step's start
+    steps, seconds, prompt_steps, graphs, ms, prompt, generated, running, waiting, kv = LINE.fullmatch(line).groups()
+    assert (steps, prompt_steps, graphs, seconds, ms) == ("40", "20", "40", "10.0", "250.0")  # from the first step's start
     assert (prompt, generated, running, waiting, kv) == ("0", "12", "3", "1", "25")
     caplog.clear()
     now[0] += 20.0  # idle for a while: no steps, no line
@@ -52,8 +53,8 @@ def test_the_group_logs_its_engine_activity_and_can_be_told_not_to(start_supervi
     time.sleep(1.0)
     lines = [LINE.search(line) for line in server.log().splitlines() if "engine: " in line]
     assert lines and all(lines), server.log()[-2000:]
-    steps, _, graphs, _, _, generated, *_ = lines[0].groups()
-    assert int(steps) > 10 and graphs == "0" and int(generated.replace(",", "")) > 0
+    steps, _, prompt_steps, graphs, _, _, generated, *_ = lines[0].groups()
+    assert int(steps) > 10 and int(prompt_steps) <= 1 and graphs == "0" and int(generated.replace(",", "")) > 0
     assert sum(int(m.group(1)) for m in lines) >= 220  # every step of both streams is in some line
     quiet = start_supervise("--model", "sim:5", "--log-stats-interval", "0")
     assert _stream(quiet, 200) > 100
