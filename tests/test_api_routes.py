@@ -169,3 +169,9 @@ def test_metrics_are_group_totals_whichever_server_answers(plain):
     assert all(metric(s, "supervise_api_servers ") == 2 for s in scrapes)
     assert all(metric(s, "supervise_e2e_request_latency_seconds_count") >= 12 for s in scrapes)
     assert all("# TYPE supervise_time_to_first_token_seconds histogram" in s for s in scrapes)
+    # Cumulative buckets: never decreasing, +Inf is the count, and every request of 2 tokens on sim:2 took < 30 s.
+    for name in ("supervise_e2e_request_latency_seconds", "supervise_time_to_first_token_seconds"):
+        buckets = [float(line.rsplit(" ", 1)[1]) for line in scrapes[-1].splitlines()
+                   if line.startswith(name + "_bucket")]
+        assert len(buckets) == 15 and buckets == sorted(buckets)
+        assert buckets[-1] == metric(scrapes[-1], name + "_count") == buckets[-4]  # le=30 holds them all
