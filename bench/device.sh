@@ -9,7 +9,8 @@
 #      prompt tokens and without (--cuda-graph-max-tokens 0);
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
-#   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams.
+#   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
+#      (the 135M shape with 1, 4 and 8 API servers).
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
 # Every figure and log goes to $OUT (flat, at most 12 files); each step has its own timeout and a failed
 # step does not stop the next; a summary table ends the output.
@@ -128,6 +129,9 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
   profile_step profile-sync "$MODEL_DIR" off
   serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
   [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
+  # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
+  # the API servers' intake of each wave of new requests.
+  [ "$CPU" = 1 ] || serve_step serve-8-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 8" $SERVE_ARGS
   for shape in $SHAPES; do
     [ "$shape" = llama-3.1-8b ] || continue
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
