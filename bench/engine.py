@@ -15,7 +15,8 @@ step holds some new request's prefill beside the decodes).
 
 It also prints what the prefix cache's block key costs per full block: the SHA-256 digest chained over the parent
 block's digest and the block's token ids, against Python's hash() of the same (the old key, cheap to collide on
-purpose). `--hash-only` prints that alone, without loading a model.
+purpose), and what decoding an ADD record costs the engine's I/O thread (its fields type-checked). `--hash-only`
+prints these alone, without loading a model.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 from enginecore.block_pool import hash_block  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
+from ipc import codec  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
 from ipc.messages import EngineRequest  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
@@ -172,6 +174,24 @@ def print_block_key_cost(block_size: int) -> None:
           f"Python hash() {plain:.2f} us ({sha / plain:.1f}x); per token {sha / block_size * 1000:.0f} ns")
 
 
+def print_request_decode_cost() -> None:
+    """Microseconds the engine's I/O thread spends decoding one ADD record (its fields type-checked, as every record
+    from the network is: ipc/typecheck.py), for a short and a long prompt; best of 3. A wave of new requests costs
+    that many times this, under the GIL the step thread needs too."""
+    figures = []
+    for tokens in (128, 8192):
+        request = EngineRequest("chatcmpl-0", list(range(1000, 1000 + tokens)), SamplingParams(max_tokens=128), 0)
+        frames = [bytes(f) for f in codec.encode(request)]
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            for _ in range(200):
+                codec.decode(frames)
+            times.append((time.perf_counter() - started) / 200 * 1e6)
+        figures.append(f"{min(times):.1f} us for {tokens} prompt tokens")
+    print("an ADD record decoded and checked: " + ", ".join(figures))
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -182,6 +202,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.hash_only:
         print_block_key_cost(args.block_size)
+        print_request_decode_cost()
         return
     loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa", load_format=args.load_format)
     model = loaded.model
@@ -242,6 +263,7 @@ def main() -> None:
         print(loop_mix)
     print()
     print_block_key_cost(args.block_size)
+    print_request_decode_cost()
 
 
 if __name__ == "__main__":

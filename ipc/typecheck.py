@@ -20,11 +20,12 @@ T = TypeVar("T")
 
 
 @cache
-def _fields(cls: type[Any]) -> dict[str, tuple[object, bool]]:
-    """name -> (type hint, required) of a dataclass."""
+def _fields(cls: type[Any]) -> dict[str, tuple[object, bool, typing.Callable[[object], bool]]]:
+    """name -> (type hint, required, its test) of a dataclass."""
     hints = typing.get_type_hints(cls)
     return {
-        f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                 _checker(hints[f.name]))
         for f in dataclasses.fields(cls)
     }
 
@@ -33,38 +34,59 @@ def checked(cls: type[T], d: object) -> T:
     if not isinstance(d, dict):
         raise TypeError(f"{cls.__name__} must be an object")
     fields = _fields(cls)  # type: ignore[arg-type]  # a class is hashable; mypy does not see it for type[T]
-    unknown = set(d) - set(fields)
-    if unknown:
-        raise TypeError(f"unknown fields {sorted(unknown)}")
-    for name, (hint, required) in fields.items():
+    if not fields.keys() >= d.keys():
+        raise TypeError(f"unknown fields {sorted(set(d) - set(fields))}")
+    for name, (hint, required, check) in fields.items():
         if name not in d:
             if required:
                 raise KeyError(name)
             continue
-        if not matches(d[name], hint):
+        if not check(d[name]):
             raise TypeError(f"{name} is not {getattr(hint, '__name__', hint)}")
     return cls(**d)
 
 
 def matches(value: object, hint: object) -> bool:
+    return _checker(hint)(value)
+
+
+@cache
+def _checker(hint: object) -> typing.Callable[[object], bool]:
+    """A test of `value` against `hint`, worked out once per hint: every record from the network runs these, and a
+    prompt's token ids are a list of thousands of ints (checked in C: a generic per-element walk cost about 0.5 us
+    a token, 62 us for a 128-token request, on the engine's I/O thread, beside the step thread, under one GIL)."""
     if hint is object or hint is typing.Any:
-        return True
+        return lambda value: True
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(matches(value, h) for h in typing.get_args(hint))
+        options = [_checker(h) for h in typing.get_args(hint)]
+        return lambda value: any(check(value) for check in options)
     if hint is list or origin is list:
-        if not isinstance(value, list):
-            return False
         args = typing.get_args(hint)
-        return not args or all(matches(v, args[0]) for v in value)
+        if not args:
+            return lambda value: isinstance(value, list)
+        if args[0] is int:
+            return _is_int_list
+        element = _checker(args[0])
+        return lambda value: isinstance(value, list) and all(element(v) for v in value)
     if hint is type(None) or hint is None:
-        return value is None
+        return lambda value: value is None
     if hint is bool:
-        return isinstance(value, bool)
+        return lambda value: isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool) and INT64[0] <= value < INT64[1]
+        return lambda value: isinstance(value, int) and not isinstance(value, bool) and INT64[0] <= value < INT64[1]
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(hint, type):
-        return isinstance(value, hint)
-    return False
+        return lambda value: isinstance(value, hint)
+    return lambda value: False
+
+
+def _is_int_list(value: object) -> bool:
+    """A list of ints (not bools, which are ints to isinstance) in INT64's range. JSON decodes to exact types, so
+    the type test is `type(v) is int`, over the list in C."""
+    if not isinstance(value, list):
+        return False
+    if not value:
+        return True
+    return set(map(type, value)) == {int} and INT64[0] <= min(value) and max(value) < INT64[1]
