@@ -9,6 +9,7 @@ request alone there (enginecore.sampler.Sampler.sample_each).
 from __future__ import annotations
 
 from ipc.messages import EngineRequest
+from ipc.typecheck import matches
 
 
 class BadRequest(ValueError):
@@ -35,10 +36,11 @@ def check_request(request: EngineRequest) -> None:
 
 
 def _int(value, name: str) -> None:
-    if not isinstance(value, int):
+    if not matches(value, int):
         raise BadRequest(f"{name} must be an integer, not {type(value).__name__}")
 
 
 def _ints(values, name: str) -> None:
-    if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+    # The same test as the decoding of records from the network (in C over the list: a prompt may be long).
+    if not matches(values, list[int]):
         raise BadRequest(f"{name} must be a list of integers")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from array import array
 from functools import cache
 from typing import Any, TypeVar
 
@@ -83,10 +84,14 @@ def _checker(hint: object) -> typing.Callable[[object], bool]:
 
 
 def _is_int_list(value: object) -> bool:
-    """A list of ints (not bools, which are ints to isinstance) in INT64's range. JSON decodes to exact types, so
-    the type test is `type(v) is int`, over the list in C."""
+    """A list of ints (not bools, which are ints to isinstance) in INT64's range, in two passes in C: JSON decodes to
+    exact types, so the type test is `type(v) is int`; a signed 64-bit array takes the common range at once."""
     if not isinstance(value, list):
         return False
-    if not value:
+    if list(map(type, value)).count(int) != len(value):
+        return False
+    try:
+        array("q", value)
         return True
-    return set(map(type, value)) == {int} and INT64[0] <= min(value) and max(value) < INT64[1]
+    except OverflowError:  # beyond a signed int64: still in range up to INT64's unsigned top
+        return bool(INT64[0] <= min(value) and max(value) < INT64[1])
