@@ -54,6 +54,13 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """The token counts of graphs of steps with prompt tokens: batch_buckets' up to 1024, then every 256 up to
+    max_tokens (a step of 1100 tokens must not be padded to 8192)."""
+    small = batch_buckets(min(max_tokens, 1024))
+    return small + [s for s in range(1024 + 256, max_tokens, 256)] + ([max_tokens] if max_tokens > 1024 else [])
+
+
 def blocks_bucket(blocks: int) -> int:
     """`blocks` rounded up to a quarter of an octave (at most a quarter more): few graphs, little extra gather."""
     step = 1 << max(0, blocks.bit_length() - 3)
@@ -106,7 +113,7 @@ class CudaGraphRunner:
         self.block_buckets = [smallest << i for i in range(max_blocks.bit_length()) if smallest << i < max_blocks]
         self.block_buckets.append(max_blocks)
         mixed = max_graph_tokens > 0 and eager.varlen and eager.lean_model is not None
-        self.token_buckets = batch_buckets(max_graph_tokens) if mixed else []
+        self.token_buckets = token_buckets(max_graph_tokens) if mixed else []
         self.run_buckets = batch_buckets(max_num_seqs + 1)  # a mixed step's runs, and one of padding
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._capture_fn = capture or CudaCapture(self.device)

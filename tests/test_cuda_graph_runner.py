@@ -13,7 +13,7 @@ import pytest
 import torch
 from enginecore import attention
 from enginecore import cuda_graphs
-from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket
+from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket, token_buckets
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import DecodePadding, MixedPadding
 from ipc.messages import EngineRequest
@@ -189,3 +189,9 @@ def test_buckets():
         [1, 7, 8, 10, 20, 112, 2560, 3072, 4096]
     for n in range(1, 5000):
         assert n <= blocks_bucket(n) <= n * 1.25
+    assert token_buckets(48)[-3:] == [32, 40, 48] and token_buckets(1024)[-2:] == [992, 1024]
+    large = token_buckets(8192)
+    assert large[large.index(1024):][:3] == [1024, 1280, 1536] and large[-2:] == [7936, 8192]
+    for n in range(2, 8193):  # every step gets a bucket at most a quarter larger (31 tokens larger when small)
+        bucket = next(b for b in large if b >= n)
+        assert bucket <= max(n * 1.25, n + 31)
