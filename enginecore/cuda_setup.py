@@ -28,10 +28,22 @@ def size_cuda_kv_cache(runner: ModelRunner, shape: KVShape, config: ServeConfig,
     # The sampler's float32 copies of the logits (a handful of [rows, vocab] tensors at most).
     vocab = runner.model.get_output_embeddings().weight.shape[0]
     sampler_bytes = 4 * config.max_num_seqs * vocab * 4
-    activations = max(0, peak - before) + sampler_bytes + GRAPH_AND_SLACK_BYTES
-    log.info("profiling step of %d tokens: %.2f GiB of activations", config.max_num_batched_tokens,
+    mixed_graphs = (not config.enforce_eager and config.cuda_graph_max_tokens > 0 and runner.varlen
+                    and runner.lean_model is not None)
+    graph_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens) if mixed_graphs else 0
+    activations = reserved_bytes(max(0, peak - before), sampler_bytes, graph_tokens, config.max_num_batched_tokens)
+    log.info("profiling step of %d tokens: %.2f GiB of activations, CUDA graphs and slack", config.max_num_batched_tokens,
              activations / 2**30)
     return cuda_num_blocks(device, bytes_per_block, config.gpu_memory_utilization, activations)
+
+
+def reserved_bytes(step_bytes: int, sampler_bytes: int, graph_tokens: int, step_tokens: int) -> int:
+    """What the KV cache must leave free: the largest step's activations (`step_bytes`, measured for `step_tokens`
+    tokens), the sampler's copies, slack, and the CUDA graphs' private pool. That pool holds the activations of the
+    largest graph: those of a step of `graph_tokens` tokens with prompt tokens (about that share of the largest
+    step's: activations grow with the tokens), within the fixed allowance for decode graphs."""
+    graph_pool = step_bytes * graph_tokens // step_tokens if graph_tokens else 0
+    return step_bytes + sampler_bytes + max(GRAPH_AND_SLACK_BYTES, graph_pool + GRAPH_AND_SLACK_BYTES // 2)
 
 
 @torch.inference_mode()

@@ -195,3 +195,15 @@ def test_buckets():
     for n in range(2, 8193):  # every step gets a bucket at most a quarter larger (31 tokens larger when small)
         bucket = next(b for b in large if b >= n)
         assert bucket <= max(n * 1.25, n + 31)
+
+
+def test_the_kv_cache_leaves_room_for_the_graphs_pool():
+    """cuda_setup.reserved_bytes: the pool of graphs of steps with prompt tokens holds about their share of the
+    largest step's activations; a small one fits the fixed allowance, a large one gets its own room."""
+    from enginecore.cuda_setup import GRAPH_AND_SLACK_BYTES, reserved_bytes
+
+    gib = 2**30
+    assert reserved_bytes(4 * gib, gib, 0, 8192) == 5 * gib + GRAPH_AND_SLACK_BYTES  # no such graphs
+    assert reserved_bytes(gib, 0, 1024, 8192) == gib + GRAPH_AND_SLACK_BYTES  # 128 MB: within the allowance
+    assert reserved_bytes(8 * gib, 0, 1024, 8192) == 9 * gib + GRAPH_AND_SLACK_BYTES // 2  # 1 GiB of its own
+    assert reserved_bytes(8 * gib, 0, 8192, 8192) == 16 * gib + GRAPH_AND_SLACK_BYTES // 2  # graphs as large
