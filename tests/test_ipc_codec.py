@@ -37,3 +37,16 @@ def test_round_trip(record):
 def test_malformed_frames_raise(frames):
     with pytest.raises(MalformedMessage):
         decode(frames)
+
+
+def test_outputs_not_written_whole_still_decode_through_the_dataclass():
+    """An engine writes every field of each output (the fast path takes its object as it is); one written with
+    fields left out gets their defaults, and one with a field of no such name is refused, not half-built."""
+    short = {"outputs": [{"request_id": "r", "new_token_ids": [5]}], "num_running": 1}
+    decoded = decode([Kind.OUTPUTS, orjson.dumps(short)])
+    assert decoded.outputs == [RequestOutput("r", [5])] and decoded.outputs[0].finish_reason is None
+    whole = orjson.loads(encode(EngineOutputs([RequestOutput("r", [5], finish_reason="stop")]))[1])
+    whole["outputs"][0]["bogus"] = 1
+    del whole["outputs"][0]["error"]  # as many fields as a real output, one of them unknown
+    with pytest.raises(MalformedMessage):
+        decode([Kind.OUTPUTS, orjson.dumps(whole)])
