@@ -15,8 +15,8 @@ step holds some new request's prefill beside the decodes).
 
 It also prints what the prefix cache's block key costs per full block: the SHA-256 digest chained over the parent
 block's digest and the block's token ids, against Python's hash() of the same (the old key, cheap to collide on
-purpose), and what decoding an ADD record costs the engine's I/O thread (its fields type-checked). `--hash-only`
-prints these alone, without loading a model.
+purpose), and what decoding costs: an ADD record on the engine's I/O thread (its fields type-checked), a step's
+OUTPUTS message on an API server. `--hash-only` prints these alone, without loading a model.
 """
 from __future__ import annotations
 
@@ -174,32 +174,29 @@ def print_block_key_cost(block_size: int) -> None:
           f"Python hash() {plain:.2f} us ({sha / plain:.1f}x); per token {sha / block_size * 1000:.0f} ns")
 
 
-def print_request_decode_cost() -> None:
-    """Microseconds the engine's I/O thread spends decoding one ADD record (its fields type-checked, as every record
-    from the network is: ipc/typecheck.py), for a short and a long prompt; best of 3. A wave of new requests costs
-    that many times this, under the GIL the step thread needs too."""
+def print_ipc_costs() -> None:
+    """Microseconds to decode an ADD record on the engine's I/O thread (its fields type-checked, as every record from
+    the network is: ipc/typecheck.py), for a short and a long prompt, and an OUTPUTS message of one token for each of
+    256 streams on an API server (its cost every engine step). Best of 3. A wave of new requests costs the engine
+    that many ADDs, under the GIL the step thread needs too."""
     figures = []
     for tokens in (128, 8192):
         request = EngineRequest("chatcmpl-0", list(range(1000, 1000 + tokens)), SamplingParams(max_tokens=128), 0)
-        frames = [bytes(f) for f in codec.encode(request)]
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            for _ in range(200):
-                codec.decode(frames)
-            times.append((time.perf_counter() - started) / 200 * 1e6)
-        figures.append(f"{min(times):.1f} us for {tokens} prompt tokens")
+        figures.append(f"{_decode_us(request):.1f} us for {tokens} prompt tokens")
     print("an ADD record decoded and checked: " + ", ".join(figures))
-    # What an API server pays per engine step: one OUTPUTS message of a token for each of 256 streams.
     outputs = EngineOutputs([RequestOutput(f"chatcmpl-{i}-0123456789abcdef", [1234]) for i in range(256)], 256)
-    frames = [bytes(f) for f in codec.encode(outputs)]
+    print(f"an OUTPUTS message of 256 one-token outputs decoded (API server): {_decode_us(outputs):.1f} us")
+
+
+def _decode_us(record, repeats: int = 200) -> float:
+    frames = [bytes(f) for f in codec.encode(record)]
     times = []
     for _ in range(3):
         started = time.perf_counter()
-        for _ in range(200):
+        for _ in range(repeats):
             codec.decode(frames)
-        times.append((time.perf_counter() - started) / 200 * 1e6)
-    print(f"an OUTPUTS message of 256 one-token outputs decoded (API server): {min(times):.1f} us")
+        times.append((time.perf_counter() - started) / repeats * 1e6)
+    return min(times)
 
 
 def _sync(device) -> None:
@@ -212,7 +209,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.hash_only:
         print_block_key_cost(args.block_size)
-        print_request_decode_cost()
+        print_ipc_costs()
         return
     loaded = load_model(args.model, args.device, args.dtype, attn_implementation="sdpa", load_format=args.load_format)
     model = loaded.model
@@ -273,7 +270,7 @@ def main() -> None:
         print(loop_mix)
     print()
     print_block_key_cost(args.block_size)
-    print_request_decode_cost()
+    print_ipc_costs()
 
 
 if __name__ == "__main__":
