@@ -99,9 +99,11 @@ def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
     # The first two steps (512 and 476 tokens: the prompts, chunked, then the rest of the longest beside four
-    # decodes) replayed graphs of their layers (--cuda-graph-max-tokens), the rest decode graphs.
-    assert [s for s in engine.runner.shapes if len(s) == 3], engine.runner.shapes
-    assert engine.step_counts.graph_steps == engine.step_counts.steps
+    # decodes) replayed graphs of their layers (--cuda-graph-max-tokens), the rest decode graphs. Only where this
+    # torch build runs flash varlen attention: without it, steps with prompt tokens run eagerly by design.
+    if engine.runner.eager.varlen:
+        assert [s for s in engine.runner.shapes if len(s) == 3], engine.runner.shapes
+        assert engine.step_counts.graph_steps == engine.step_counts.steps
     bf16.model.set_attn_implementation("sdpa")
     gaps = []
     with torch.inference_mode():
