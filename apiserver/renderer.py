@@ -14,6 +14,7 @@ import jinja2
 from apiserver.chat_template import render_chat
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import HFTokenizer
+from apiserver.word_cache import WordCache
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Renderer:
         self.tokenizer = tokenizer.backend  # tokenizers.Tokenizer: Rust, no Python per-token work
         self.chat_template = chat_template or tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer)
+        self._affixes = _post_processor_affixes(self.tokenizer)
 
     def render_chat(
         self,
@@ -76,9 +78,12 @@ class Renderer:
             raise InvalidRequest(f"The chat template cannot render these messages: {exc}", param="messages") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if add_special_tokens:
+        if not add_special_tokens:
+            return self._segments.encode(text)
+        if self._affixes is None:
             return self.tokenizer.encode(text, add_special_tokens=True).ids
-        return self._segments.encode(text)
+        prefix, suffix = self._affixes
+        return prefix + self._segments.encode(text) + suffix
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -91,7 +96,7 @@ class _SegmentCache:
     between independently, so the same split here gives the same ids, and the pieces that repeat in every
     chat prompt (the default system prompt, role names) are tokenized once. Used only when every added token
     is matched literally (no lstrip/rstrip/single_word/normalized rules, special tokens not split), where the
-    split is exact.
+    split is exact. The pieces themselves go through the word cache where it covers them (apiserver.word_cache).
     """
 
     def __init__(self, tokenizer):
@@ -109,10 +114,11 @@ class _SegmentCache:
             alternatives = sorted(self._added_ids, key=len, reverse=True)
             self._pattern = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
         self._cache: OrderedDict[str, array] = OrderedDict()
+        self._words = WordCache.for_tokenizer(tokenizer) if self._literal else None
 
     def encode(self, text: str) -> list[int]:
-        if self._pattern is None:
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self._pattern is None:  # no added tokens, or ones this cannot split at: the text is one piece
+            return self._piece_ids(text)
         ids: list[int] = []
         added_ids = self._added_ids
         cache = self._cache
@@ -125,10 +131,31 @@ class _SegmentCache:
                     cache.move_to_end(piece)
                     ids.extend(cached)
                     continue
-                piece_ids = self._tokenizer.encode(piece, add_special_tokens=False).ids
+                piece_ids = self._piece_ids(piece)
                 ids.extend(piece_ids)
                 if len(piece) <= _SEGMENT_MAX_CHARS:
                     cache[piece] = array("l", piece_ids)
                     if len(cache) > _SEGMENT_CACHE_SIZE:
                         cache.popitem(last=False)
         return ids
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        ids = self._words.encode(piece) if self._words is not None else None
+        return ids if ids is not None else self._tokenizer.encode(piece, add_special_tokens=False).ids
+
+
+def _post_processor_affixes(tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the tokenizer's post-processor puts before and after a text's own (BOS, EOS), when that is all
+    it does to them (so `encode` with special tokens is these around the ids without); else None."""
+    affixes = set()
+    for probe in ("a", "Hello, world 12!\n"):
+        plain = tokenizer.encode(probe, add_special_tokens=False).ids
+        full = tokenizer.encode(probe, add_special_tokens=True).ids
+        starts = [s for s in range(len(full) - len(plain) + 1) if full[s:s + len(plain)] == plain]
+        if not starts:
+            return None
+        affixes.add((tuple(full[:starts[0]]), tuple(full[starts[0] + len(plain):])))
+    if len(affixes) != 1:
+        return None
+    prefix, suffix = affixes.pop()
+    return list(prefix), list(suffix)
