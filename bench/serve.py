@@ -3,7 +3,8 @@
 Random prompts of an exact token length (the embedded model's tokenizer), chat or text completions, streamed
 or not, sent in a closed loop (`--max-concurrency`) or an open one (Poisson `--request-rate`). Give several
 `--base-url`s (ours, vLLM, ...) and the same prompts run against each in turn, printed side by side with the
-ratio to the first; `--start-supervise "ARGS"` starts our own server first and measures it as the first.
+ratio to the first; `--start-supervise "ARGS"` starts our own server first and measures it as the first, and
+charges its API server processes' CPU (the kernel's accounting) per request.
 
     .venv/bin/python bench/serve.py --start-supervise "--model sim:10" --num-prompts 200 --max-concurrency 32
     .venv/bin/python bench/serve.py --start-supervise "" --base-url http://127.0.0.1:8100 \\
@@ -27,6 +28,7 @@ from latency_stats import samples, summarize  # noqa: E402
 from load_pattern import run_load  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body, send  # noqa: E402
+from process_usage import cpu_seconds, titled_children  # noqa: E402
 from prompts import RandomPrompts, embedded_tokenizer_dir  # noqa: E402
 
 
@@ -76,7 +78,9 @@ async def discover_model(client: HttpClient) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
-async def measure(base_url: str, model: str | None, warmup: list[str], prompts: list[str], args) -> dict:
+async def measure(base_url: str, model: str | None, warmup: list[str], prompts: list[str], args,
+                  api_servers: dict | None = None) -> dict:
+    """api_servers: our API server processes by title, when we started the server: their CPU is charged too."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     client = HttpClient(base_url, headers)
     try:
@@ -90,15 +94,18 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
 
         warm, _ = await run_load(one, bodies(warmup), max_concurrency=args.max_concurrency)
         cpu_before = time.process_time()
+        servers_before = cpu_seconds(api_servers or {})
         deadline = time.monotonic() + args.max_duration if args.max_duration else None
         records, duration = await run_load(one, bodies(prompts), args.max_concurrency, args.request_rate, args.seed,
                                            deadline)
         client_cpu = time.process_time() - cpu_before
+        servers_cpu = sum(cpu_seconds(api_servers or {}).values()) - sum(servers_before.values())
     finally:
         client.close()
     summary = summarize(records, duration)
     summary["client_cpu_us_per_request"] = client_cpu / max(1, len(records)) * 1e6
     summary["client_cpu_share"] = client_cpu / duration if duration else 0.0
+    summary["api_servers_cpu_us_per_request"] = (servers_cpu / max(1, len(records)) * 1e6) if api_servers else None
     summary["warmup_failed"] = sum(1 for r in warm if not r.ok)
     return {"base_url": base_url, "model": model, "summary": summary, "samples": samples(records)}
 
@@ -116,12 +123,18 @@ ROWS = (
         for stat in ("mean", "p50", "p90", "p99")
     ],
     ("client CPU us/request", lambda s: f"{s['client_cpu_us_per_request']:.0f}", None),
+    ("API servers CPU us/request", lambda s: _us(s.get("api_servers_cpu_us_per_request")),
+     "api_servers_cpu_us_per_request"),
     ("errors by status", lambda s: json.dumps(s["errors_by_status"]) if s["errors_by_status"] else "-", None),
 )
 
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _value(summary: dict, key):
@@ -174,7 +187,10 @@ def main(argv=None) -> int:
     try:
         for i, (url, label) in enumerate(targets):
             url_index = i - (server is not None)  # --model and --label pair with --base-url
-            run = run_loop(measure(api_base(url), _model_for(args, url_index), warmup, prompts, args))
+            ours = server is not None and i == 0
+            api_servers = ({title: p for title, p in titled_children(server.pid).items() if title.startswith("ApiServer")}
+                           if ours else None)
+            run = run_loop(measure(api_base(url), _model_for(args, url_index), warmup, prompts, args, api_servers))
             run["label"] = label or (args.label[url_index] if url_index < len(args.label) else url)
             runs.append(run)
             print(f"{run['label']}: {run['summary']['completed']} requests in {run['summary']['duration_s']:.1f} s",
