@@ -31,11 +31,12 @@ _ASCII_CLASSES = {
 _UNSAFE = re.compile(r"[^\t\n\r\x20-\x7e]")
 # Normalizers that leave such text as it is.
 _IDENTITY_ON_ASCII = {"NFC", "NFD", "NFKC", "NFKD"}
-# Bounded: room for the vocabulary (a benchmark's random prompts draw words from all of it; real text repeats
-# far fewer), within these bounds: ~5 MB at the least, ~20 MB at the most. Full, it starts again empty, so a
-# stream of unique words costs what the tokenizer alone would, and never grows the RSS.
-MIN_WORDS = 32768
-MAX_WORDS = 131072
+# Bounded in the token ids it holds (one per word for most words): room for the whole vocabulary (a benchmark's
+# random prompts draw words from all of it; real text repeats far fewer), within these bounds: ~5 MB at the
+# least, ~20 MB at the most, also for words of many ids each. Full, it starts again empty, so a stream of unique
+# words costs about what the tokenizer alone would, and never grows the RSS.
+MIN_HELD_IDS = 32768
+MAX_HELD_IDS = 131072
 MAX_WORD_CHARS = 32
 
 
@@ -47,7 +48,8 @@ class WordCache:
         self._split = re.compile(ascii_pattern, re.ASCII).findall
         self._bytes_to_chars = str.maketrans(_byte_level_chars())
         self._ids: dict[str, tuple[int, ...]] = {}
-        self._max_words = min(max(tokenizer.get_vocab_size(), MIN_WORDS), MAX_WORDS)
+        self._held_ids = 0
+        self._max_held_ids = min(max(tokenizer.get_vocab_size(), MIN_HELD_IDS), MAX_HELD_IDS)
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> WordCache | None:
@@ -76,9 +78,11 @@ class WordCache:
     def _word_ids(self, word: str) -> tuple[int, ...]:
         ids = tuple([token.id for token in self._model.tokenize(word.translate(self._bytes_to_chars))])
         if len(word) <= MAX_WORD_CHARS:
-            if len(self._ids) >= self._max_words:
+            if self._held_ids + len(ids) > self._max_held_ids:
                 self._ids.clear()
+                self._held_ids = 0
             self._ids[word] = ids
+            self._held_ids += len(ids)
         return ids
 
 

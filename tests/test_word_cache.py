@@ -115,16 +115,19 @@ def test_a_split_that_leaves_gaps_goes_to_the_tokenizer():
 
 
 def test_the_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(word_cache, "MAX_WORDS", 100)
+    # In the ids it holds, so words of many ids each (random letters: a hostile client's) fill it no further.
+    monkeypatch.setattr(word_cache, "MAX_HELD_IDS", 100)
     tokenizer = COVERED["gpt2 (embedded)"]()
     words = WordCache.for_tokenizer(tokenizer)
     rng = random.Random(1)
     for _ in range(50):
-        text = " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 8))) for _ in range(20))
+        text = " ".join("".join(rng.choice("abcdefghijqxzv") for _ in range(rng.randint(1, 30))) for _ in range(20))
         text += " " + "z" * 200  # too long a word to keep
         assert words.encode(text) == _theirs(tokenizer, text)
-        assert len(words._ids) <= 100
+        held = sum(map(len, words._ids.values()))
+        assert held == words._held_ids <= 100
     assert " " + "z" * 200 not in words._ids
+    assert max(map(len, words._ids.values())) > 3
 
 
 @pytest.mark.parametrize("config_dir", [None, "tests/models/tiny-llama"])
