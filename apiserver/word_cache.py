@@ -22,6 +22,19 @@ import re
 
 # tokenizers' ByteLevel pre-tokenizer's own regex (use_regex=true), GPT-2's.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama 3's and OpenAI's cl100k; Qwen 2's; OpenAI's o200k.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Split regexes under which a space right after a printable ASCII character always begins a word: no
+# alternative matches such a character followed by a space, none looks behind, and together they match every
+# character. Text with other characters can then be cut before such spaces and its parts encoded apart: the
+# plain ASCII parts here, the others by the tokenizer.
+_CUTTABLE = {GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, O200K_PATTERN}
+_CUT = re.compile(r"(?<=[!-~]) ")
 # The Unicode classes a split regex may use, as the ASCII characters they hold.
 _ASCII_CLASSES = {
     "L": "A-Za-z", "Lu": "A-Z", "Ll": "a-z", "Lt": "", "Lm": "", "Lo": "",
@@ -29,6 +42,12 @@ _ASCII_CLASSES = {
 }
 # Anything but printable ASCII, tab, newline and carriage return: such text goes to the Rust tokenizer.
 _UNSAFE = re.compile(r"[^\t\n\r\x20-\x7e]")
+_UNSAFE_RUN = re.compile(r"[^\t\n\r\x20-\x7e]+")
+# Text with more runs of such characters than one per CHARS_PER_MIXED_RUN characters (and MAX_MIXED_RUNS in
+# all, for short text) is not mostly ASCII: it goes to the tokenizer whole, as each run costs a tokenizer call
+# (~4 us) that the words around it would not cost in one call.
+MAX_MIXED_RUNS = 16
+CHARS_PER_MIXED_RUN = 48
 # Normalizers that leave such text as it is.
 _IDENTITY_ON_ASCII = {"NFC", "NFD", "NFKC", "NFKD"}
 # Bounded in the token ids it holds (one per word for most words): room for the whole vocabulary (a benchmark's
@@ -41,10 +60,12 @@ MAX_WORD_CHARS = 32
 
 
 class WordCache:
-    def __init__(self, tokenizer, ascii_pattern: str):
+    def __init__(self, tokenizer, ascii_pattern: str, cuttable: bool = False):
         """tokenizer: a `tokenizers.Tokenizer` of the kind `for_tokenizer` accepts; ascii_pattern: its split
-        regex for Python's `re` (`_ascii_pattern`)."""
+        regex for Python's `re` (`_ascii_pattern`); cuttable: text with other characters may be cut (_CUTTABLE)."""
+        self._tokenizer = tokenizer
         self._model = tokenizer.model
+        self._cuttable = cuttable
         self._split = re.compile(ascii_pattern, re.ASCII).findall
         self._bytes_to_chars = str.maketrans(_byte_level_chars())
         self._ids: dict[str, tuple[int, ...]] = {}
@@ -54,15 +75,52 @@ class WordCache:
     @classmethod
     def for_tokenizer(cls, tokenizer) -> WordCache | None:
         """A cache for `tokenizer` when it is byte-level BPE whose split this module can make; else None."""
-        pattern = _split_pattern(json.loads(tokenizer.to_str()))
+        spec = json.loads(tokenizer.to_str())
+        pattern = _split_pattern(spec)
         ascii_pattern = _ascii_pattern(pattern) if pattern is not None else None
-        return cls(tokenizer, ascii_pattern) if ascii_pattern is not None else None
+        if ascii_pattern is None:
+            return None
+        # NFC never joins characters across a space; NFKC and the decompositions may change text at a cut.
+        cuttable = pattern in _CUTTABLE and (spec.get("normalizer") or {}).get("type", "NFC") == "NFC"
+        return cls(tokenizer, ascii_pattern, cuttable)
 
     def encode(self, text: str) -> list[int] | None:
         """`text`'s ids as the tokenizer gives them (no added tokens inside, none added); None for text this
         path does not cover."""
-        if _UNSAFE.search(text):
-            return None
+        if not _UNSAFE.search(text):
+            return self._ascii_ids(text)
+        return self._mixed_ids(text) if self._cuttable else None
+
+    def _mixed_ids(self, text: str) -> list[int] | None:
+        """Text with a few runs of other characters: each run with the text around it up to the nearest cuts
+        (spaces after a printable ASCII character) by the tokenizer, the plain ASCII between them here."""
+        runs = []
+        most = max(MAX_MIXED_RUNS, len(text) // CHARS_PER_MIXED_RUN)
+        for match in _UNSAFE_RUN.finditer(text):
+            if len(runs) == most:
+                return None
+            runs.append(match.span())
+        ids: list[int] = []
+        done = 0  # text[:done] is encoded: 0 or a cut
+        for start, end in runs:
+            if end <= done:  # in the part the run before took
+                continue
+            low = _cut_before(text, start, done)
+            after = _CUT.search(text, end)
+            high = after.start() if after else len(text)
+            if low > done:
+                ids += self._part_ids(text[done:low])
+            ids += self._tokenizer.encode(text[low:high], add_special_tokens=False).ids
+            done = high
+        if done < len(text):
+            ids += self._part_ids(text[done:])
+        return ids
+
+    def _part_ids(self, part: str) -> list[int]:
+        ids = self._ascii_ids(part)
+        return ids if ids is not None else self._tokenizer.encode(part, add_special_tokens=False).ids
+
+    def _ascii_ids(self, text: str) -> list[int] | None:
         words = self._split(text)
         if sum(map(len, words)) != len(text):  # a regex that leaves gaps: the tokenizer keeps them as words
             return None
@@ -84,6 +142,14 @@ class WordCache:
             self._ids[word] = ids
             self._held_ids += len(ids)
         return ids
+
+
+def _cut_before(text: str, at: int, done: int) -> int:
+    """The last cut in text[done:at], else `done`."""
+    space = text.rfind(" ", done, at)
+    while space > done and not "!" <= text[space - 1] <= "~":
+        space = text.rfind(" ", done, space)
+    return max(space, done)
 
 
 def _split_pattern(spec: dict) -> str | None:

@@ -101,6 +101,8 @@ def serve_rows(path: str, shape: str, hardware: dict) -> list[tuple[str, str, st
         (f"{name}: TTFT p50 / p99 ms", f"{s['ttft_ms']['p50'] or 0:.0f} / {s['ttft_ms']['p99'] or 0:.0f}", ""),
         (f"{name}: TPOT p50 / p99 ms", f"{s['tpot_ms']['p50'] or 0:.1f} / {s['tpot_ms']['p99'] or 0:.1f}", ""),
     ]
+    if s.get("api_servers_cpu_us_per_request") is not None:  # what a request cost our API servers, all of them
+        rows.append((f"{name}: API servers CPU us/request", f"{s['api_servers_cpu_us_per_request']:.0f}", ""))
     args = result.get("args", {})
     options = shlex.split(args.get("start_supervise") or "")
     option = lambda flag, default=None: options[options.index(flag) + 1] if flag in options else default  # noqa: E731

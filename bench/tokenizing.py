@@ -2,7 +2,8 @@
 
 An API server renders and tokenizes every new prompt on its event loop, so a wave of new requests (a closed
 loop's next batch, a burst) waits for all of it before the last one reaches the engine. For unique prompts of
-random vocabulary words (bench/prompts.py) and of English prose, per prompt: `tokenizers.Tokenizer.encode`
+random vocabulary words (bench/prompts.py), of English prose, and of the same prose typeset (curly quotes, an
+accented word: the parts around those characters go to the tokenizer), per prompt: `tokenizers.Tokenizer.encode`
 (what the API server did before its word cache), the renderer's `encode` with the word cache cold (a fresh
 renderer: every word new) and warm (the words seen before, the texts not), and the whole chat render
 (template + ids; before: the same renderer without the word cache) with the event-loop time a wave of 256 such chats takes. Every id list is checked against the tokenizer's.
@@ -22,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine_info import machine_info  # noqa: E402
 from prompts import RandomPrompts, embedded_tokenizer_dir  # noqa: E402
 
-# The target: a warm renderer tokenizes unique ASCII prompts at least this many times faster than the tokenizer.
+# The target: a warm renderer tokenizes unique plain ASCII prompts at least this many times faster than the
+# tokenizer (and typeset ones faster at all).
 TARGET_SPEEDUP = 3.0
 WAVE = 256
 _PROSE = (
@@ -53,6 +55,12 @@ def prose_prompts(random_prompts: RandomPrompts, count: int, words: int) -> list
             text += random_prompts.random.choice(sentences).split(" ") + [random_prompts.prompt(1)]
         out.append(" ".join(text[:words]))
     return out
+
+
+def typeset(text: str) -> str:
+    """The same prose as word processors write it: curly quotes and apostrophes, dashes, an accented word."""
+    return (text.replace("can't", "can’t").replace("who'd", "who’d").replace("city's", "city’s")
+            .replace('"We', "“We").replace('," said', ",” said").replace(" -- ", " — ").replace("library", "bibliothèque"))
 
 
 def per_prompt_us(function, texts: list[str]) -> float:
@@ -105,7 +113,8 @@ def main(argv=None) -> int:
     rows = []
     for words in args.words:
         for kind, texts in (("vocabulary", random_prompts.prompts(args.prompts, words)),
-                            ("prose", prose_prompts(random_prompts, args.prompts, words))):
+                            ("prose", prose_prompts(random_prompts, args.prompts, words)),
+                            ("typeset", [typeset(t) for t in prose_prompts(random_prompts, args.prompts, words)])):
             rows.append({"words": words, "text": kind, **measure(directory, texts)})
     print(f"tokenizing unique prompts, {directory} ({machine_info()['cpu']})")
     print(f"{'words':>6} {'text':>10} {'tokenizer us':>13} {'cold us':>8} {'warm us':>8} {'warm x':>7} "
@@ -114,9 +123,11 @@ def main(argv=None) -> int:
         print(f"{r['words']:>6} {r['text']:>10} {r['tokenizer_us']:>13.1f} {r['cold_us']:>8.1f} {r['warm_us']:>8.1f} "
               f"{r['speedup_warm']:>6.1f}x {r.get('chat_before_us', 0):>15.1f} {r.get('chat_us', 0):>8.1f} "
               f"{r.get('chat_before_us', 0) * WAVE / 1e3:>15.1f} {r.get('chat_us', 0) * WAVE / 1e3:>8.1f}")
-    worst = min(r["speedup_warm"] for r in rows)
-    print(f"warm word cache against the tokenizer: {worst:.1f}x at worst (target >= {TARGET_SPEEDUP:.0f}x)"
-          f"{'' if worst >= TARGET_SPEEDUP else '  MISSED'}; wave = {WAVE} new chats on one event loop")
+    worst = min(r["speedup_warm"] for r in rows if r["text"] != "typeset")
+    typeset_worst = min(r["speedup_warm"] for r in rows if r["text"] == "typeset")
+    print(f"warm word cache against the tokenizer, plain ASCII text: {worst:.1f}x at worst (target >= "
+          f"{TARGET_SPEEDUP:.0f}x){'' if worst >= TARGET_SPEEDUP else '  MISSED'}; typeset text: {typeset_worst:.1f}x "
+          f"(target > 1x){'' if typeset_worst > 1 else '  MISSED'}; wave = {WAVE} new chats on one event loop")
     if not rows[0]["covered"]:
         print("this tokenizer is not one the word cache covers: every prompt went to the tokenizer")
     if args.result_json:

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import random
+import re
 
 import pytest
 from tokenizers import Tokenizer
@@ -84,11 +85,46 @@ def test_every_short_ascii_text(kind):
         assert words.encode(text) == _theirs(tokenizer, text), repr(text)
 
 
-def test_other_text_goes_to_the_tokenizer():
+# Characters the ASCII path leaves to the tokenizer: letters, marks (NFC composes "e" + U+0301), digits, quotes,
+# emoji, and every kind of whitespace or control character the regex engines might class differently.
+OTHER = ["é", "café", "naïve", "e\u0301", "\u0301", "Ω", "日本語", "テキスト", "٣", "½", "’", "“", "”", "—", "🥐", "👍🏽",
+         "\u00a0", "\u3000", "\u2028", "\u2009", "\x85", "\x1c", "\x1f", "\x0b", "\x0c", "\x00", "\x7f", "\ufeff"]
+
+
+@pytest.mark.parametrize("kind", COVERED)
+def test_mostly_ascii_text_with_other_characters(kind):
+    # Cut before spaces after printable ASCII: the parts with other characters go to the tokenizer, the rest
+    # through the cache, and the ids are still the tokenizer's.
+    tokenizer = COVERED[kind]()
+    words = WordCache.for_tokenizer(tokenizer)
+    rng = random.Random(kind + " mixed")
+    for _ in range(3000):
+        pieces = PIECES + OTHER[:rng.randint(1, len(OTHER))]
+        text = "".join(rng.choice(pieces if rng.random() < 0.9 else OTHER) for _ in range(rng.randint(1, 40)))
+        ids = words.encode(text)
+        assert ids is None or ids == _theirs(tokenizer, text), repr(text)
+        if ids is None:
+            runs = len(re.findall(r"[^\t\n\r\x20-\x7e]+", text))
+            assert runs > max(word_cache.MAX_MIXED_RUNS, len(text) // word_cache.CHARS_PER_MIXED_RUN)
+
+
+def test_text_that_is_not_mostly_ascii_goes_to_the_tokenizer():
     words = WordCache.for_tokenizer(COVERED["gpt2 (embedded)"]())
-    for text in ("café", "naïve résumé", "日本語", "🥐", "a\x00b", "bell\x07", "form\x0cfeed", "vertical\x0btab", "\x1c",
-                 "del\x7f", "\u00a0nbsp", "line\u2028sep"):
-        assert words.encode(text) is None, repr(text)
+    many_runs = " ".join(["the café"] * (word_cache.MAX_MIXED_RUNS + 1))
+    assert words.encode(many_runs) is None
+    assert words.encode(" ".join(["the café"] * word_cache.MAX_MIXED_RUNS)) is not None
+    long_text = "a few more words " * 100
+    assert words.encode(long_text + many_runs) is not None  # one run per 48 characters or fewer
+    assert words.encode(long_text + " ".join(["the café"] * 200)) is None
+    for text in OTHER:
+        assert words.encode(f"plain {text} text") == _theirs(COVERED["gpt2 (embedded)"](), f"plain {text} text")
+
+
+def test_a_split_regex_not_known_to_cut_keeps_other_text_whole():
+    tokenizer = _with_pre_tokenizer(_split_then_bytes(r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"))
+    words = WordCache.for_tokenizer(tokenizer)
+    assert words.encode("plain words, 12") == _theirs(tokenizer, "plain words, 12")
+    assert words.encode("plain café") is None
 
 
 @pytest.mark.parametrize("pre_tokenizer,normalizer", [
@@ -162,3 +198,25 @@ def test_long_runs_of_one_class():
     for text in (" " * 16000 + "a", "'" * 16000, "a" * 16000, "1" * 16000, " \n" * 8000, "\t " * 8000 + "x", "'s" * 8000,
                  ("\n" * 50 + " " * 50 + "x") * 150, "".join(chr(rng.randint(32, 126)) for _ in range(16000))):
         assert words.encode(text) == _theirs(tokenizer, text)
+
+
+@pytest.mark.parametrize("kind", COVERED)
+def test_the_cuts_fall_between_the_tokenizers_own_words(kind):
+    # Stronger than equal ids (a vocabulary may tokenize two splits alike): the tokenizer's own pre-tokenizer
+    # splits the text into the same words whole as in the parts between the cuts.
+    pre_tokenizer = COVERED[kind]().pre_tokenizer
+    rng = random.Random(kind + " cuts")
+    whitespace = [" ", "  ", "\t", "\n", " \n", "\u00a0", "\u3000", "\x85", "\x1c", "\u2009"]
+    for _ in range(3000):
+        text = "".join(rng.choice(PIECES + OTHER + whitespace * 3) for _ in range(rng.randint(1, 30)))
+        bounds = [0] + [m.start() for m in word_cache._CUT.finditer(text)] + [len(text)]
+        parts = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        whole = [word for word, _ in pre_tokenizer.pre_tokenize_str(text)]
+        assert [word for part in parts for word, _ in pre_tokenizer.pre_tokenize_str(part)] == whole, repr(text)
+
+
+def test_normalizers_that_may_change_text_at_a_cut_keep_other_text_whole():
+    tokenizer = _with_pre_tokenizer(_split_then_bytes(LLAMA3_SPLIT), {"type": "NFKC"})
+    words = WordCache.for_tokenizer(tokenizer)
+    assert words.encode("plain text") == _theirs(tokenizer, "plain text")
+    assert words.encode("plain café") is None
