@@ -94,7 +94,7 @@ class WordCache:
     def _mixed_ids(self, text: str) -> list[int] | None:
         """Text with a few runs of other characters: each run with the text around it up to the nearest cuts
         (spaces after a printable ASCII character) by the tokenizer, the plain ASCII between them here."""
-        runs = []
+        runs: list[tuple[int, int]] = []
         most = max(MAX_MIXED_RUNS, len(text) // CHARS_PER_MIXED_RUN)
         for match in _UNSAFE_RUN.finditer(text):
             if len(runs) == most:
