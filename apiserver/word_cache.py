@@ -35,6 +35,8 @@ O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
 # plain ASCII parts here, the others by the tokenizer.
 _CUTTABLE = {GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, O200K_PATTERN}
 _CUT = re.compile(r"(?<=[!-~]) ")
+# The groups a split regex may open: plain, case-insensitive, lookarounds, atomic.
+_GROUP_PREFIX = re.compile(r"\(\?(?::|i:|=|!|<=|<!|>)")
 # The Unicode classes a split regex may use, as the ASCII characters they hold.
 _ASCII_CLASSES = {
     "L": "A-Za-z", "Lu": "A-Z", "Ll": "a-z", "Lt": "", "Lm": "", "Lo": "",
@@ -194,7 +196,7 @@ def _ascii_pattern(pattern: str) -> str | None:
                 out.append(chars if in_set else (f"[{chars}]" if chars else "(?!)"))
                 i += match.end()
                 continue
-            if pattern[i + 1:i + 2] in ("P", "X", "R", "K", "h", "H", "G", "y", "Y", "O"):
+            if pattern[i + 1:i + 2] in ("P", "X", "R", "K", "h", "H", "G", "y", "Y", "O", "Z"):
                 return None  # onig escapes Python lacks, or has with another meaning
             out.append(pattern[i:i + 2])
             i += 2
@@ -213,6 +215,8 @@ def _ascii_pattern(pattern: str) -> str | None:
             continue
         if c in "^$" and not in_set:
             return None  # onig's ^ and $ are line anchors, Python's are not
+        if c == "(" and not in_set and pattern[i + 1:i + 2] == "?" and not _GROUP_PREFIX.match(pattern, i):
+            return None  # inline flags: onig's (?m) is Python's (?s), and Python takes global ones only first
         if c == "]" and in_set:
             in_set = False
             if not "".join(out[set_start:]):  # every class in it was empty in ASCII

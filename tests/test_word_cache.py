@@ -135,6 +135,8 @@ def test_a_split_regex_not_known_to_cut_keeps_other_text_whole():
     (_split_then_bytes(r"\p{Greek}+|\s+|\S"), None),  # a class it cannot translate
     (_split_then_bytes(r"\P{L}+|\p{L}+"), None),
     (_split_then_bytes(r"^\s+|\S+|\s+"), None),  # onig's ^ is a line anchor
+    (_split_then_bytes(r"(?m)\s+|\S+"), None),  # inline flags: onig's m is Python's s
+    (_split_then_bytes(r"\S+\Z|\S+|\s+"), None),  # \Z: end of text in Python, before a final newline in onig
     (_split_then_bytes(LLAMA3_SPLIT), {"type": "Lowercase"}),
 ])
 def test_tokenizers_it_cannot_reproduce_get_none(pre_tokenizer, normalizer):
