@@ -10,9 +10,10 @@
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
-#      (the 135M shape with 1, 4 and 8 API servers).
+#      (the 135M shape with 1, 4 and 8 API servers);
+#   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without.
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
-# Every figure and log goes to $OUT (flat, at most 12 files); each step has its own timeout and a failed
+# Every figure and log goes to $OUT (flat); each step has its own timeout and a failed
 # step does not stop the next; a summary table ends the output.
 #
 #   bash bench/device.sh            # on the GPU machine, from the repository root, with .whl and .device carried
@@ -149,6 +150,9 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
   [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b bench/models/llama-3.1-8b on
+  # This machine's CPU on a new request's tokens: the word cache against the tokenizer, a wave of 256 chats.
+  step tokenizing 40 bash -c "set -o pipefail; '$PYTHON' bench/tokenizing.py --tokenizer '$MODEL_DIR' --words 128 \
+--prompts 300 | tee '$OUT/tokenizing.txt'"
   # shellcheck disable=SC2086
   "$PYTHON" bench/device_summary.py "$OUT" "$STEPS" $HARDWARE | tee "$OUT/summary.txt"
   rm -f "$STEPS"

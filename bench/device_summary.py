@@ -2,9 +2,9 @@
 
     python3 bench/device_summary.py OUT_DIR STEPS_FILE [--bandwidth-tbps 4.8 --peak-tflops 989]
 
-Reads what the steps left in OUT_DIR (engine[-SHAPE].txt, frontend.json, serve[-SHAPE].json); a missing file is a
-step that failed, shown as such rather than stopping the summary. Engine and end-to-end rates are also given as
-a percentage of their roofline (bench/roofline.py) on the given hardware (default: one H200).
+Reads what the steps left in OUT_DIR (engine[-SHAPE].txt, frontend.json, serve[-SHAPE].json, tokenizing.txt); a
+missing file is a step that failed, shown as such rather than stopping the summary. Engine and end-to-end rates
+are also given as a percentage of their roofline (bench/roofline.py) on the given hardware (default: one H200).
 """
 from __future__ import annotations
 
@@ -156,6 +156,18 @@ def end_to_end_rows(out_dir: str) -> list[tuple[str, str, str]]:
     return rows
 
 
+def tokenizing_rows(path: str) -> list[tuple[str, str, str]]:
+    """bench/tokenizing.py's 128-word rows: the event-loop time of a wave of 256 new chats, before and after."""
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    for line in open(path):
+        cells = line.split()
+        if len(cells) == 10 and cells[0] == "128":
+            rows.append((f"tokenizing: a wave of 256 {cells[1]} chats, ms", f"{cells[8]} -> {cells[9]}", ""))
+    return rows
+
+
 def _closed_loop_rate(path: str) -> float | None:
     """The out tok/s of bench/engine.py's --closed-loop row in `path`, if there."""
     if not os.path.isfile(path):
@@ -191,6 +203,7 @@ def main() -> None:
                 for shape, path in shapes(args.out_dir, "serve", ".json")]
     readers += [(lambda path, name=name: profile_rows(path, name), os.path.join(args.out_dir, name + ".txt"))
                 for name in ("profile", "profile-sync", "profile-llama-3.1-8b")]
+    readers.append((tokenizing_rows, os.path.join(args.out_dir, "tokenizing.txt")))
     rows = end_to_end_rows(args.out_dir)
     for reader, path in readers:
         try:
