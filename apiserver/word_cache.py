@@ -2,15 +2,17 @@
 
 Why: `tokenizers.Tokenizer.encode` of a unique 128-word prompt takes ~250 us here, half of it in its
 pre-tokenizer's regex (onig). An API server tokenizes every new prompt on its event loop, so a wave of 256 new
-requests held the loop for ~70 ms before the last one reached the engine (their TTFT). This path does the
+requests held the loop for ~90 ms before the last one reached the engine (their TTFT). This path does the
 same split with Python's `re` and looks each word up: ~30 us for the same prompt (`bench/tokenizing.py`).
 
 Why it gives the same ids: a byte-level BPE tokenizer (GPT-2, SmolLM2, Llama 3, Qwen 2, ...) splits the text
 with one regex into words, maps each word's bytes to characters and runs BPE on each word alone. On text of
 printable ASCII, tab, newline and carriage return, the regex's Unicode classes (\\p{L}, \\p{N}, \\s) are exactly
-their ASCII sets, so Python's `re` in ASCII mode splits the same way, and a word's ids depend on the word alone.
-Any other text, or a tokenizer of another kind, goes to the Rust tokenizer as before. Tests compare the ids
-with the tokenizer's on random text for each supported kind of pre-tokenizer.
+their ASCII sets, so Python's `re` in ASCII mode splits the same way (apiserver.split_regex), and a word's ids
+depend on the word alone. Mostly-ASCII text is cut where the regex always begins a word (split_regex.CUT): the
+parts with other characters go to the tokenizer, the rest through the cache. Text of mostly other characters,
+or a tokenizer of another kind, goes to the Rust tokenizer as before. Tests compare the ids with the
+tokenizer's on random text for each supported kind of pre-tokenizer.
 
 Splitting at added tokens (`<|im_start|>`) happens before this (renderer._SegmentCache): text given here is
 one piece between them.
@@ -20,28 +22,8 @@ from __future__ import annotations
 import json
 import re
 
-# tokenizers' ByteLevel pre-tokenizer's own regex (use_regex=true), GPT-2's.
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Llama 3's and OpenAI's cl100k; Qwen 2's; OpenAI's o200k.
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Split regexes under which a space right after a printable ASCII character always begins a word: no
-# alternative matches such a character followed by a space, none looks behind, and together they match every
-# character. Text with other characters can then be cut before such spaces and its parts encoded apart: the
-# plain ASCII parts here, the others by the tokenizer.
-_CUTTABLE = {GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, O200K_PATTERN}
-_CUT = re.compile(r"(?<=[!-~]) ")
-# The groups a split regex may open: plain, case-insensitive, lookarounds, atomic.
-_GROUP_PREFIX = re.compile(r"\(\?(?::|i:|=|!|<=|<!|>)")
-# The Unicode classes a split regex may use, as the ASCII characters they hold.
-_ASCII_CLASSES = {
-    "L": "A-Za-z", "Lu": "A-Z", "Ll": "a-z", "Lt": "", "Lm": "", "Lo": "",
-    "N": "0-9", "Nd": "0-9", "Nl": "", "No": "", "M": "", "Mn": "", "Mc": "", "Me": "",
-}
+from apiserver import split_regex
+
 # Anything but printable ASCII, tab, newline and carriage return: such text goes to the Rust tokenizer.
 _UNSAFE = re.compile(r"[^\t\n\r\x20-\x7e]")
 _UNSAFE_RUN = re.compile(r"[^\t\n\r\x20-\x7e]+")
@@ -50,8 +32,6 @@ _UNSAFE_RUN = re.compile(r"[^\t\n\r\x20-\x7e]+")
 # (~4 us) that the words around it would not cost in one call.
 MAX_MIXED_RUNS = 16
 CHARS_PER_MIXED_RUN = 48
-# Normalizers that leave such text as it is.
-_IDENTITY_ON_ASCII = {"NFC", "NFD", "NFKC", "NFKD"}
 # Bounded in the token ids it holds (one per word for most words): room for the whole vocabulary (a benchmark's
 # random prompts draw words from all of it; real text repeats far fewer), within these bounds: ~5 MB at the
 # least, ~20 MB at the most, also for words of many ids each. Full, it starts again empty, so a stream of unique
@@ -62,12 +42,13 @@ MAX_WORD_CHARS = 32
 
 
 class WordCache:
-    def __init__(self, tokenizer, ascii_pattern: str, cuttable: bool = False):
+    def __init__(self, tokenizer, ascii_pattern: str, cut_other_text: bool = False):
         """tokenizer: a `tokenizers.Tokenizer` of the kind `for_tokenizer` accepts; ascii_pattern: its split
-        regex for Python's `re` (`_ascii_pattern`); cuttable: text with other characters may be cut (_CUTTABLE)."""
+        regex for Python's `re` (`split_regex.python_pattern`); cut_other_text: text with other characters may
+        be cut (`split_regex.cuttable`)."""
         self._tokenizer = tokenizer
         self._model = tokenizer.model
-        self._cuttable = cuttable
+        self._cut_other_text = cut_other_text
         self._split = re.compile(ascii_pattern, re.ASCII).findall
         self._bytes_to_chars = str.maketrans(_byte_level_chars())
         self._ids: dict[str, tuple[int, ...]] = {}
@@ -78,20 +59,20 @@ class WordCache:
     def for_tokenizer(cls, tokenizer) -> WordCache | None:
         """A cache for `tokenizer` when it is byte-level BPE whose split this module can make; else None."""
         spec = json.loads(tokenizer.to_str())
-        pattern = _split_pattern(spec)
-        ascii_pattern = _ascii_pattern(pattern) if pattern is not None else None
+        pattern = split_regex.split_pattern(spec)
+        if pattern is None:
+            return None
+        ascii_pattern = split_regex.python_pattern(pattern)
         if ascii_pattern is None:
             return None
-        # NFC never joins characters across a space; NFKC and the decompositions may change text at a cut.
-        cuttable = pattern in _CUTTABLE and (spec.get("normalizer") or {}).get("type", "NFC") == "NFC"
-        return cls(tokenizer, ascii_pattern, cuttable)
+        return cls(tokenizer, ascii_pattern, split_regex.cuttable(spec, pattern))
 
     def encode(self, text: str) -> list[int] | None:
         """`text`'s ids as the tokenizer gives them (no added tokens inside, none added); None for text this
         path does not cover."""
         if not _UNSAFE.search(text):
             return self._ascii_ids(text)
-        return self._mixed_ids(text) if self._cuttable else None
+        return self._mixed_ids(text) if self._cut_other_text else None
 
     def _mixed_ids(self, text: str) -> list[int] | None:
         """Text with a few runs of other characters: each run with the text around it up to the nearest cuts
@@ -108,7 +89,7 @@ class WordCache:
             if end <= done:  # in the part the run before took
                 continue
             low = _cut_before(text, start, done)
-            after = _CUT.search(text, end)
+            after = split_regex.CUT.search(text, end)
             high = after.start() if after else len(text)
             if low > done:
                 ids += self._part_ids(text[done:low])
@@ -147,96 +128,11 @@ class WordCache:
 
 
 def _cut_before(text: str, at: int, done: int) -> int:
-    """The last cut in text[done:at], else `done`."""
+    """The last cut in text[done:at], else `done`: split_regex.CUT searched backwards."""
     space = text.rfind(" ", done, at)
     while space > done and not "!" <= text[space - 1] <= "~":
         space = text.rfind(" ", done, space)
     return max(space, done)
-
-
-def _split_pattern(spec: dict) -> str | None:
-    """The split regex of a tokenizer.json's pipeline when this module reproduces it, else None."""
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("dropout") not in (None, 0, 0.0):
-        return None
-    normalizer = spec.get("normalizer")
-    if normalizer is not None and normalizer.get("type") not in _IDENTITY_ON_ASCII:
-        return None
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel":
-        return GPT2_PATTERN if pre.get("use_regex", True) and not pre.get("add_prefix_space") else None
-    if pre.get("type") != "Sequence" or len(pre.get("pretokenizers") or ()) != 2:
-        return None
-    split, byte_level = pre["pretokenizers"]
-    regex = (split.get("pattern") or {}).get("Regex")
-    if (split.get("type") != "Split" or not isinstance(regex, str) or split.get("behavior") != "Isolated"
-            or split.get("invert")):
-        return None
-    if byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True) or byte_level.get("add_prefix_space"):
-        return None
-    return regex
-
-
-def _ascii_pattern(pattern: str) -> str | None:
-    """`pattern` for Python's `re` on ASCII text: each \\p{X} as its ASCII characters; None when it uses what
-    this cannot translate (\\P{X}, other classes, nested sets) or does not compile."""
-    out: list[str] = []
-    in_set = False
-    set_start = 0  # index in `out` where the open set's content begins
-    set_first = 0  # index in `pattern` of the open set's first character (a "]" there is literal)
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            match = re.match(r"\\p\{(\w+)\}", pattern[i:])
-            if match:
-                chars = _ASCII_CLASSES.get(match.group(1))
-                if chars is None:
-                    return None
-                out.append(chars if in_set else (f"[{chars}]" if chars else "(?!)"))
-                i += match.end()
-                continue
-            if pattern[i + 1:i + 2] in ("P", "X", "R", "K", "h", "H", "G", "y", "Y", "O", "Z"):
-                return None  # onig escapes Python lacks, or has with another meaning
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if c == "[":
-            if in_set:
-                return None  # a nested set: onig's set operations
-            in_set = True
-            out.append("[^" if pattern[i + 1:i + 2] == "^" else "[")
-            i += len(out[-1])
-            set_start, set_first = len(out), i
-            continue
-        if c == "]" and in_set and i == set_first:
-            out.append(r"\]")
-            i += 1
-            continue
-        if c in "^$" and not in_set:
-            return None  # onig's ^ and $ are line anchors, Python's are not
-        if c == "(" and not in_set and pattern[i + 1:i + 2] == "?" and not _GROUP_PREFIX.match(pattern, i):
-            return None  # inline flags: onig's (?m) is Python's (?s), and Python takes global ones only first
-        if c == "]" and in_set:
-            in_set = False
-            if not "".join(out[set_start:]):  # every class in it was empty in ASCII
-                negated = out[set_start - 1] == "[^"
-                del out[set_start - 1:]
-                out.append(r"[\s\S]" if negated else "(?!)")
-            else:
-                out.append(c)
-            i += 1
-            continue
-        out.append(c)
-        i += 1
-    if in_set:
-        return None
-    translated = "".join(out)
-    try:
-        re.compile(translated, re.ASCII)
-    except re.error:
-        return None
-    return translated
 
 
 def _byte_level_chars() -> dict[int, str]:

@@ -1,6 +1,7 @@
-"""The word cache of the API server's tokenizing (apiserver.word_cache): for each kind of byte-level BPE
-tokenizer it covers, the ids it gives are the Rust tokenizer's own, on random and on exhaustive short ASCII
-text; other text and other tokenizers go to the tokenizer; the cache stays bounded."""
+"""The word cache of the API server's tokenizing (apiserver.word_cache, apiserver.split_regex): for each kind
+of byte-level BPE tokenizer it covers, the ids it gives are the Rust tokenizer's own, on random and on
+exhaustive short ASCII text and on mostly-ASCII text; other text and other tokenizers go to the tokenizer; the
+cache stays bounded."""
 import itertools
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import apiserver.word_cache as word_cache
+from apiserver import split_regex
 from apiserver.renderer import Renderer, load_tokenizer
 from apiserver.word_cache import WordCache
 from enginecore.model_source import resolve_model
@@ -211,7 +213,7 @@ def test_the_cuts_fall_between_the_tokenizers_own_words(kind):
     whitespace = [" ", "  ", "\t", "\n", " \n", "\u00a0", "\u3000", "\x85", "\x1c", "\u2009"]
     for _ in range(3000):
         text = "".join(rng.choice(PIECES + OTHER + whitespace * 3) for _ in range(rng.randint(1, 30)))
-        bounds = [0] + [m.start() for m in word_cache._CUT.finditer(text)] + [len(text)]
+        bounds = [0] + [m.start() for m in split_regex.CUT.finditer(text)] + [len(text)]
         parts = [text[a:b] for a, b in zip(bounds, bounds[1:])]
         whole = [word for word, _ in pre_tokenizer.pre_tokenize_str(text)]
         assert [word for part in parts for word, _ in pre_tokenizer.pre_tokenize_str(part)] == whole, repr(text)
