@@ -10,7 +10,7 @@
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
-#      (the 135M shape with 1, 4 and 8 API servers);
+#      (the 135M shape with 1, 4 and 8 API servers; the one API server profiled with py-spy);
 #   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without.
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
 # Every figure and log goes to $OUT (flat); each step has its own timeout and a failed
@@ -35,6 +35,7 @@ STEPS=$(mktemp /tmp/device-steps.XXXXXX)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/supervise-cache}
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH"  # py-spy, from the wheels
 
 if [ "$CPU" = 1 ]; then
   DEVICE=cpu DTYPE=float32
@@ -128,7 +129,8 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
   # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle; asynchronous scheduling on and off.
   profile_step profile "$MODEL_DIR" on
   profile_step profile-sync "$MODEL_DIR" off
-  serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
+  # With a py-spy profile of its API server: where the one-server gap goes (the table at the end of serve's output).
+  serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
   [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
   # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
   # the API servers' intake of each wave of new requests.

@@ -12,9 +12,10 @@ PY=${PYTHON:-.venv/bin/python}
 WHL=${WHL:-.whl}
 MODEL_FILES=${MODEL_FILES:-.device/smollm2}
 # What the image lacks (its torch, transformers, click, psutil, httpx, uvloop, numpy, matplotlib do); jinja2 in case
-# it came with transformers' extras only: the API servers render chat templates with it directly.
+# it came with transformers' extras only: the API servers render chat templates with it directly; py-spy for
+# bench/serve.py --profile-api-server.
 PACKAGES="atomicshm uvicorn starlette pyzmq orjson pydantic pydantic-core annotated-types typing-inspection typing-extensions
-setproctitle httptools h11 anyio sniffio jinja2 markupsafe"
+setproctitle httptools h11 anyio sniffio jinja2 markupsafe py-spy"
 
 # NAME==VERSION as installed in the venv, else the bare name (the newest).
 pinned() {

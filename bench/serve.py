@@ -29,6 +29,7 @@ from load_pattern import run_load  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body, send  # noqa: E402
 from process_usage import cpu_seconds, titled_children  # noqa: E402
+import api_profile  # noqa: E402
 from prompts import RandomPrompts, embedded_tokenizer_dir  # noqa: E402
 
 
@@ -60,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds --start-supervise may take")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of the latency CDFs")
+    p.add_argument("--profile-api-server", metavar="PATH", default=None,
+                   help="with --start-supervise: py-spy samples ApiServer_0 during the measured run (collapsed "
+                        "stacks to PATH) and its costliest functions are printed")
     args = p.parse_args(argv)
     if args.start_supervise is None and not args.base_url:
         p.error("give --base-url, --start-supervise, or both")
@@ -93,6 +97,10 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
             return await send(client, body, chat, args.stream, args.timeout)
 
         warm, _ = await run_load(one, bodies(warmup), max_concurrency=args.max_concurrency)
+        profiled = (api_servers or {}).get("ApiServer_0") if args.profile_api_server else None
+        profiler = api_profile.start(profiled.pid, args.profile_api_server) if profiled else None
+        if profiler is not None:
+            await asyncio.sleep(api_profile.ATTACH_S)  # sampling from the measured run's first request on
         cpu_before = time.process_time()
         servers_before = cpu_seconds(api_servers or {})
         deadline = time.monotonic() + args.max_duration if args.max_duration else None
@@ -100,6 +108,7 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
                                            deadline)
         client_cpu = time.process_time() - cpu_before
         servers_cpu = sum(cpu_seconds(api_servers or {}).values()) - sum(servers_before.values())
+        api_profile.stop(profiler)
     finally:
         client.close()
     summary = summarize(records, duration)
@@ -206,6 +215,9 @@ def main(argv=None) -> int:
             f"concurrency {args.max_concurrency or 'unlimited'}, rate {args.request_rate:g}/s")
     print(f"\n{load}")
     print_table(runs)
+    if args.profile_api_server and os.path.isfile(args.profile_api_server):
+        print(f"\nApiServer_0 during the run (py-spy, {args.profile_api_server}):")
+        print("\n".join(api_profile.top(args.profile_api_server)))
     result = {"machine": machine_info(), "load": load, "args": vars(args), "engine_log": engine_lines,
               "runs": [{k: v for k, v in run.items() if k != "samples"} for run in runs]}
     if args.result_json:
