@@ -51,7 +51,8 @@ class WordCache:
         self._cut_other_text = cut_other_text
         self._split = re.compile(ascii_pattern, re.ASCII).findall
         self._bytes_to_chars = str.maketrans(_byte_level_chars())
-        self._ids: dict[str, tuple[int, ...]] = {}
+        self._single: dict[str, int] = {}  # the words of one token
+        self._multi: dict[str, tuple[int, ...]] = {}  # the others
         self._held_ids = 0
         self._max_held_ids = min(max(tokenizer.get_vocab_size(), MIN_HELD_IDS), MAX_HELD_IDS)
 
@@ -107,22 +108,32 @@ class WordCache:
         words = self._split(text)
         if sum(map(len, words)) != len(text):  # a regex that leaves gaps: the tokenizer keeps them as words
             return None
+        # Most words are one token each: their ids come in one pass in C, and text of such words alone needs no
+        # other (each word looked up is a few cache misses on a loaded server, so fewer objects per word pay).
+        found = list(map(self._single.get, words))
+        if None not in found:
+            return found  # type: ignore[return-value]
         ids: list[int] = []
-        cached = self._ids
-        for word in words:
-            word_ids = cached.get(word)
-            if word_ids is None:
-                word_ids = self._word_ids(word)
-            ids.extend(word_ids)
+        multi = self._multi
+        for word, token_id in zip(words, found):
+            if token_id is not None:
+                ids.append(token_id)
+            else:
+                word_ids = multi.get(word)
+                ids.extend(word_ids if word_ids is not None else self._word_ids(word))
         return ids
 
     def _word_ids(self, word: str) -> tuple[int, ...]:
         ids = tuple([token.id for token in self._model.tokenize(word.translate(self._bytes_to_chars))])
         if len(word) <= MAX_WORD_CHARS:
             if self._held_ids + len(ids) > self._max_held_ids:
-                self._ids.clear()
+                self._single.clear()
+                self._multi.clear()
                 self._held_ids = 0
-            self._ids[word] = ids
+            if len(ids) == 1:
+                self._single[word] = ids[0]
+            else:
+                self._multi[word] = ids
             self._held_ids += len(ids)
         return ids
 
