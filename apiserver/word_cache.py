@@ -114,19 +114,22 @@ class WordCache:
         if None not in found:
             return found  # type: ignore[return-value]
         ids: list[int] = []
-        multi = self._multi
+        single, multi = self._single, self._multi
         for word, token_id in zip(words, found):
+            if token_id is None:
+                token_id = single.get(word)  # met earlier in this text
             if token_id is not None:
                 ids.append(token_id)
-            else:
-                word_ids = multi.get(word)
-                ids.extend(word_ids if word_ids is not None else self._word_ids(word))
+                continue
+            word_ids = multi.get(word)
+            ids.extend(word_ids if word_ids is not None else self._word_ids(word))
         return ids
 
     def _word_ids(self, word: str) -> tuple[int, ...]:
         ids = tuple([token.id for token in self._model.tokenize(word.translate(self._bytes_to_chars))])
         if len(word) <= MAX_WORD_CHARS:
-            if self._held_ids + len(ids) > self._max_held_ids:
+            held = max(1, len(ids))  # a word of no ids (bytes a pruned vocabulary lacks) still takes room
+            if self._held_ids + held > self._max_held_ids:
                 self._single.clear()
                 self._multi.clear()
                 self._held_ids = 0
@@ -134,7 +137,7 @@ class WordCache:
                 self._single[word] = ids[0]
             else:
                 self._multi[word] = ids
-            self._held_ids += len(ids)
+            self._held_ids += held
         return ids
 
 

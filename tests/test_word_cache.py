@@ -164,7 +164,7 @@ def test_the_cache_is_bounded(monkeypatch):
         text = " ".join("".join(rng.choice("abcdefghijqxzv") for _ in range(rng.randint(1, 30))) for _ in range(20))
         text += " " + "z" * 200  # too long a word to keep
         assert words.encode(text) == _theirs(tokenizer, text)
-        held = len(words._single) + sum(map(len, words._multi.values()))
+        held = len(words._single) + sum(max(1, len(ids)) for ids in words._multi.values())
         assert held == words._held_ids <= 100
     assert " " + "z" * 200 not in words._multi
     assert max(map(len, words._multi.values())) > 3
@@ -224,3 +224,32 @@ def test_normalizers_that_may_change_text_at_a_cut_keep_other_text_whole():
     words = WordCache.for_tokenizer(tokenizer)
     assert words.encode("plain text") == _theirs(tokenizer, "plain text")
     assert words.encode("plain café") is None
+
+
+def test_a_vocabulary_without_some_bytes(monkeypatch):
+    # BPE drops what its vocabulary cannot spell (no unknown token): the same here, and words of no ids still
+    # count against the bound.
+    monkeypatch.setattr(word_cache, "MAX_HELD_IDS", 50)
+    spec = json.load(open(os.path.join(resolve_model(None), "tokenizer.json")))
+    spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if not {"z", "q"} & set(t)}
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                               if not {"z", "q"} & set(m if isinstance(m, str) else " ".join(m))]
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    words = WordCache.for_tokenizer(tokenizer)
+    for text in ("jazz fizz", "zzz", "pizza time", "a z"):
+        assert words.encode(text) == _theirs(tokenizer, text)
+    # 62 words of no ids ("z", "q", "zq", ..., "qqqqq"), between commas.
+    spellings = ",".join("".join(w) for n in range(1, 6) for w in itertools.product("zq", repeat=n))
+    assert words.encode(spellings) == _theirs(tokenizer, spellings)
+    assert () in words._multi.values()
+    assert len(words._single) + len(words._multi) <= 50
+
+
+def test_a_word_met_twice_in_a_new_text_is_tokenized_once():
+    tokenizer = COVERED["gpt2 (embedded)"]()
+    words = WordCache.for_tokenizer(tokenizer)
+    text = "the cat, the dog, the cat and the dog"
+    assert words.encode(text) == _theirs(tokenizer, text)
+    distinct = set(words._split(text))
+    assert len(words._single) + len(words._multi) == len(distinct)
+    assert words._held_ids == sum(len(_theirs(tokenizer, w)) for w in distinct)
