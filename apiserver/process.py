@@ -53,7 +53,8 @@ def run_api_server(launch: ApiServerLaunch) -> None:
 
     from apiserver.renderer import Renderer, load_tokenizer
 
-    renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template)
+    renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template, config.tokenizer_word_cache)
+    log.info("tokenizing: %s", renderer.tokenizing)
     _return_freed_heap()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_serve(launch, group, renderer, stop))

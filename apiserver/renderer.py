@@ -34,13 +34,22 @@ def load_tokenizer(model_dir: str) -> HFTokenizer:
 
 
 class Renderer:
-    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None):
-        """chat_template: the template to use instead of the model's (--chat-template)."""
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None, word_cache: bool = True):
+        """chat_template: the template to use instead of the model's (--chat-template); word_cache: tokenize plain
+        ASCII text with the word cache where it can (--no-tokenizer-word-cache: never)."""
         self.hf_tokenizer = tokenizer
         self.tokenizer = tokenizer.backend  # tokenizers.Tokenizer: Rust, no Python per-token work
         self.chat_template = chat_template or tokenizer.chat_template()
-        self._segments = _SegmentCache(self.tokenizer)
+        self._segments = _SegmentCache(self.tokenizer, word_cache)
         self._affixes = _post_processor_affixes(self.tokenizer)
+
+    @property
+    def tokenizing(self) -> str:
+        """How this renderer turns text into ids, for the log."""
+        words = self._segments.words
+        if words is None:
+            return "the Rust tokenizer for all text"
+        return f"a word cache for {'plain and mostly-' if words.cuts_other_text else 'plain '}ASCII text, else the Rust tokenizer"
 
     def render_chat(
         self,
@@ -99,7 +108,7 @@ class _SegmentCache:
     split is exact. The pieces themselves go through the word cache where it covers them (apiserver.word_cache).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, word_cache: bool = True):
         self._tokenizer = tokenizer
         added = tokenizer.get_added_tokens_decoder()
         # With split_special_tokens the special ones are encoded as text: no literal split then.
@@ -114,7 +123,7 @@ class _SegmentCache:
             alternatives = sorted(self._added_ids, key=len, reverse=True)
             self._pattern = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
         self._cache: OrderedDict[str, array] = OrderedDict()
-        self._words = WordCache.for_tokenizer(tokenizer) if self._literal else None
+        self.words = WordCache.for_tokenizer(tokenizer) if self._literal and word_cache else None
 
     def encode(self, text: str) -> list[int]:
         if self._pattern is None:  # no added tokens, or ones this cannot split at: the text is one piece
@@ -140,7 +149,7 @@ class _SegmentCache:
         return ids
 
     def _piece_ids(self, piece: str) -> list[int]:
-        ids = self._words.encode(piece) if self._words is not None else None
+        ids = self.words.encode(piece) if self.words is not None else None
         return ids if ids is not None else self._tokenizer.encode(piece, add_special_tokens=False).ids
 
 

@@ -48,7 +48,7 @@ class WordCache:
         be cut (`split_regex.cuttable`)."""
         self._tokenizer = tokenizer
         self._model = tokenizer.model
-        self._cut_other_text = cut_other_text
+        self.cuts_other_text = cut_other_text
         self._split = re.compile(ascii_pattern, re.ASCII).findall
         self._bytes_to_chars = str.maketrans(_byte_level_chars())
         self._single: dict[str, int] = {}  # the words of one token
@@ -73,7 +73,7 @@ class WordCache:
         path does not cover."""
         if not _UNSAFE.search(text):
             return self._ascii_ids(text)
-        return self._mixed_ids(text) if self._cut_other_text else None
+        return self._mixed_ids(text) if self.cuts_other_text else None
 
     def _mixed_ids(self, text: str) -> list[int] | None:
         """Text with a few runs of other characters: each run with the text around it up to the nearest cuts

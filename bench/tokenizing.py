@@ -91,11 +91,10 @@ def measure(directory: str, texts: list[str]) -> dict:
     if [ours(t) for t in texts] != expected:
         raise SystemExit("the renderer's ids differ from the tokenizer's")
     row = {"tokenizer_us": theirs, "cold_us": cold, "warm_us": warm, "speedup_warm": theirs / warm,
-           "covered": renderer._segments._words is not None}
+           "covered": renderer._segments.words is not None}
     if renderer.chat_template:
         chats = [[{"role": "user", "content": t}] for t in texts]
-        before = Renderer(load_tokenizer(directory))
-        before._segments._words = None  # the API server before the word cache: its piece cache alone
+        before = Renderer(load_tokenizer(directory), word_cache=False)  # its piece cache alone, as before
         row["chat_before_us"] = per_prompt_us(before.render_chat, chats)
         pieces.clear()
         row["chat_us"] = per_prompt_us(renderer.render_chat, chats)

@@ -69,6 +69,7 @@ class ServeConfig:
     metrics_port: int | None = None  # --grpc: Prometheus metrics over HTTP here, since gRPC has no /metrics
     # Chat: tools and reasoning (vLLM's options).
     chat_template: str | None = None  # the template's text (--chat-template names a file or gives the text)
+    tokenizer_word_cache: bool = True  # API servers tokenize plain ASCII text with their word cache (apiserver.word_cache)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # one of REASONING_PARSERS

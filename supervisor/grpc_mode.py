@@ -22,7 +22,7 @@ HTTP_ONLY_OPTIONS = (
     "enable_server_load_tracking", "middleware", "timeout_keep_alive", "timeout_request_header",
     "accept_backoff_ms",
     # Chat rendering, tools and reasoning: with --grpc the gateway renders and parses (smg has these options).
-    "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+    "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "tokenizer_word_cache",
 )
 
 

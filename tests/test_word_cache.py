@@ -182,7 +182,7 @@ def test_the_renderer_with_and_without_special_tokens(config_dir, tmp_path, monk
         directory = dummy_model_dir(os.path.join(os.path.dirname(os.path.dirname(__file__)), config_dir))
     renderer = Renderer(load_tokenizer(directory))
     backend = renderer.tokenizer
-    assert renderer._segments._words is not None
+    assert renderer._segments.words is not None
     bos = config_dir is not None
     rng = random.Random(2)
     texts = ["", "Hello, world!", "two  spaces\n\nand 'quotes'", "café et 🥐 ensemble"]
