@@ -1,8 +1,9 @@
 """A py-spy profile of one API server while a benchmark loads it, and its costliest functions.
 
-py-spy samples the process from outside (`--nonblocking`: without pausing it), so the server runs as it would;
-its collapsed stacks ("frame;frame;... count" lines) go to a file, and `top` reads them back: each function's
-share of the samples with it anywhere on the stack (inclusive) and at the top (self).
+py-spy samples the process from outside, pausing it for each sample (about 1-2% of its time at 250 Hz): without
+pausing (`--nonblocking`) a run here gave a third of the samples and stacks that put a 1 us constructor at 17%.
+Its collapsed stacks ("frame;frame;... count" lines) go to a file, and `top` reads them back: each function's
+share of the event loop thread's samples with it anywhere on the stack (inclusive) and at the top (self).
 
     .venv/bin/python bench/api_profile.py PROFILE.txt     # the table of a profile recorded before
 """

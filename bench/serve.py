@@ -87,6 +87,7 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
     """api_servers: our API server processes by title, when we started the server: their CPU is charged too."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     client = HttpClient(base_url, headers)
+    profiler = None
     try:
         model = model or await discover_model(client)
         chat = args.endpoint == "chat"
@@ -108,8 +109,8 @@ async def measure(base_url: str, model: str | None, warmup: list[str], prompts: 
                                            deadline)
         client_cpu = time.process_time() - cpu_before
         servers_cpu = sum(cpu_seconds(api_servers or {}).values()) - sum(servers_before.values())
-        api_profile.stop(profiler)
     finally:
+        api_profile.stop(profiler)  # also when the run failed: py-spy writes what it has
         client.close()
     summary = summarize(records, duration)
     summary["client_cpu_us_per_request"] = client_cpu / max(1, len(records)) * 1e6
