@@ -11,7 +11,8 @@
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
 #      (the 135M shape with 1, 4 and 8 API servers; the one API server profiled with py-spy);
-#   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without.
+#   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without;
+#   7. bench/attention.py: one layer's attention by each kernel of varlen steps (gather + flash, paged Triton).
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
 # Every figure and log goes to $OUT (flat); each step has its own timeout and a failed
 # step does not stop the next; a summary table ends the output.
@@ -51,6 +52,7 @@ if [ "$CPU" = 1 ]; then
   SHAPE_SERVE_ARGS="--num-prompts 4 --max-concurrency 2 --input-len 8 --output-len 4 --warmup 0"
   SHAPE_SUPERVISE_ARGS="--max-num-seqs 2 --max-model-len 64"
   HARDWARE="--bandwidth-tbps 0.02 --peak-tflops 0.15"  # roughly this 2-core VM in float32: the rows are a smoke test
+  ATTENTION_ARGS="--cpu --shapes smollm2-135m"
 else
   DEVICE=cuda DTYPE=bfloat16
   ENGINE_ARGS="--num-prompts 256 --prompt-len 128 --output-len 128"
@@ -58,6 +60,7 @@ else
   SERVE_ARGS="--num-prompts 1024 --max-concurrency 256 --input-len 128 --output-len 128 --max-duration 60"
   CLOSED_LOOP_ARGS="--closed-loop 1024"  # the engine alone under serve's closed loop, for the summary
   SUPERVISE_ARGS="--max-num-seqs 256 --max-num-batched-tokens 8192 --log-stats-interval 2"
+  ATTENTION_ARGS=""
   SHAPES="llama-3.2-1b llama-3.1-8b"
   PROFILE_ARGS="--num-seqs 256 --prompt-len 128 --steps 50"
   SHAPE_ENGINE_ARGS="$ENGINE_ARGS --no-single"
@@ -98,10 +101,11 @@ engine_step() {
 --device $DEVICE --dtype $DTYPE $* | tee '$OUT/$name.txt'"
 }
 
-# profile_step NAME MODEL on|off: bench/step_profile.py with asynchronous scheduling on or off.
+# profile_step NAME MODEL on|off [ARGS...]: bench/step_profile.py with asynchronous scheduling on or off.
 profile_step() {
-  step "$1" 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py --model '$2' --load-format dummy \
---device $DEVICE --dtype $DTYPE --async-scheduling $3 $PROFILE_ARGS | tee '$OUT/$1.txt'"
+  local name=$1 model=$2 async=$3; shift 3
+  step "$name" 60 bash -c "set -o pipefail; '$PYTHON' bench/step_profile.py --model '$model' --load-format dummy \
+--device $DEVICE --dtype $DTYPE --async-scheduling $async $PROFILE_ARGS $* | tee '$OUT/$name.txt'"
 }
 
 # serve_step NAME MODEL SECONDS SUPERVISE_ARGS SERVE_ARGS...: end to end, `supervise` under bench/serve.py.
@@ -118,9 +122,13 @@ main() {
   "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
 'transformers', transformers.__version__)"
   step stage-tokenizer 60 "$PYTHON" bench/stage_embedded_model.py "$MODEL_DIR" "$SITE"
-  # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs (skipped with --cpu).
-  [ "$CPU" = 1 ] || step gpu-tests 100 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
-tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
+  # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs, either attention kernel; the
+  # paged Triton kernel compiled (skipped with --cpu).
+  [ "$CPU" = 1 ] || step gpu-tests 130 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
+tests/test_engine_cuda.py tests/test_paged_triton.py | tee '$OUT/gpu-tests.txt'"
+  # One layer's attention by each kernel (gather + flash, paged Triton) on each shape's heads.
+  step attention 60 bash -c "set -o pipefail; '$PYTHON' bench/attention.py $ATTENTION_ARGS \
+--result-json '$OUT/attention.json' | tee '$OUT/attention.txt'"
   # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it, so the steps
   # run in the order of what matters most: the 135M shape (engine, step split, end to end), then the 8B, then the
   # front end alone, then the 1B.
@@ -152,6 +160,8 @@ tests/test_engine_cuda.py | tee '$OUT/gpu-tests.txt'"
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
   [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b bench/models/llama-3.1-8b on
+  # The same step with gather + flash for every step: what the choice of kernel changes in a whole step.
+  [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b-flash bench/models/llama-3.1-8b on --attention-backend flash
   # This machine's CPU on a new request's tokens: the word cache against the tokenizer, a wave of 256 chats.
   step tokenizing 40 bash -c "set -o pipefail; '$PYTHON' bench/tokenizing.py --tokenizer '$MODEL_DIR' --words 128 \
 --prompts 300 | tee '$OUT/tokenizing.txt'"

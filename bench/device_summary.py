@@ -2,7 +2,8 @@
 
     python3 bench/device_summary.py OUT_DIR STEPS_FILE [--bandwidth-tbps 4.8 --peak-tflops 989]
 
-Reads what the steps left in OUT_DIR (engine[-SHAPE].txt, frontend.json, serve[-SHAPE].json, tokenizing.txt); a
+Reads what the steps left in OUT_DIR (engine[-SHAPE].txt, frontend.json, serve[-SHAPE].json, tokenizing.txt,
+attention.json); a
 missing file is a step that failed, shown as such rather than stopping the summary. Engine and end-to-end rates
 are also given as a percentage of their roofline (bench/roofline.py) on the given hardware (default: one H200).
 """
@@ -168,6 +169,23 @@ def tokenizing_rows(path: str) -> list[tuple[str, str, str]]:
     return rows
 
 
+def attention_rows(path: str) -> list[tuple[str, str, str]]:
+    """bench/attention.py's decode rows of 256 sequences per shape: paged Triton against gather + flash."""
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    for row in json.load(open(path)):
+        if not row["step"].startswith("decode 256"):
+            continue
+        figure = f"attention {row['shape']}, {row['step']}: us a layer"
+        flash, paged = (f"{row[k]:.0f}" if row.get(k) is not None else "-" for k in ("flash_us", "paged_us"))
+        rows.append((figure, f"{flash} -> {paged}", "paged <= flash"))
+        if "of_peak" in row:
+            rows.append((f"attention {row['shape']}, {row['step']}: paged KV read", f"{row['of_peak']:.0%} of peak",
+                         ">= 50%"))
+    return rows
+
+
 def _closed_loop_rate(path: str) -> float | None:
     """The out tok/s of bench/engine.py's --closed-loop row in `path`, if there."""
     if not os.path.isfile(path):
@@ -202,8 +220,9 @@ def main() -> None:
     readers += [(lambda path, shape=shape: serve_rows(path, shape, hardware), path)
                 for shape, path in shapes(args.out_dir, "serve", ".json")]
     readers += [(lambda path, name=name: profile_rows(path, name), os.path.join(args.out_dir, name + ".txt"))
-                for name in ("profile", "profile-sync", "profile-llama-3.1-8b")]
+                for name in ("profile", "profile-sync", "profile-llama-3.1-8b", "profile-llama-3.1-8b-flash")]
     readers.append((tokenizing_rows, os.path.join(args.out_dir, "tokenizing.txt")))
+    readers.append((attention_rows, os.path.join(args.out_dir, "attention.json")))
     rows = end_to_end_rows(args.out_dir)
     for reader, path in readers:
         try:

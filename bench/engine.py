@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
 from enginecore.block_pool import hash_block  # noqa: E402
+from enginecore import attention_plan  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc import codec  # noqa: E402
@@ -56,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=ServeConfig.cuda_graph_max_tokens,
                    help="CUDA: the most tokens of a step with prompt tokens that replays a graph (0: decodes only)")
+    p.add_argument("--attention-backend", choices=["auto", "flash", "triton"], default="auto",
+                   help="CUDA: the kernel of a step's attention (supervise --attention-backend)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
     p.add_argument("--closed-loop", type=int, default=0, metavar="N",
@@ -228,6 +231,7 @@ def main() -> None:
         model=args.model, device=str(loaded.device), dtype=args.dtype, load_format=args.load_format,
         max_num_seqs=args.max_num_seqs or len(prompts), max_num_batched_tokens=token_budget, kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager, cuda_graph_max_tokens=args.cuda_graph_max_tokens, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        attention_backend=args.attention_backend,
         max_model_len=args.prompt_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about the engine
     )
@@ -250,7 +254,8 @@ def main() -> None:
           f"max-num-batched-tokens {token_budget}"
           + (f", CUDA graphs {'off' if args.enforce_eager else 'on'} (steps with prompt tokens: up to "
              f"{args.cuda_graph_max_tokens} tokens)" if loaded.device.type == "cuda" else "")
-          + f", async scheduling {'on' if core.async_scheduling else 'off'}")
+          + f", async scheduling {'on' if core.async_scheduling else 'off'}, attention: "
+          + attention_plan.describe(getattr(core.runner, "eager", core.runner).kernels))
     print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
     rows = (("batch", f"{args.num_prompts} requests"), ("closed", f"{args.closed_loop} requests, loop"),
             ("single", "1 request"))

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
+from enginecore import attention_plan  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.sampler import SampledTokens  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--attention-backend", choices=["auto", "flash", "triton"], default="auto",
+                   help="CUDA: the kernel of a step's attention (supervise --attention-backend)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="the engine's asynchronous scheduling (auto: on for CUDA, off on the CPU)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model with random weights")
@@ -146,7 +149,8 @@ def main() -> None:
     config = ServeConfig(model=model, device=args.device, dtype=args.dtype, load_format=load_format,
                          quantization=args.quantization, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
                          enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 2 * steps + 64, enable_prefix_caching=False,
-                         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+                         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+                         attention_backend=args.attention_backend)
     core = EngineCore(config)
     cuda = core.device.type == "cuda"
     g = torch.Generator().manual_seed(0)
@@ -183,7 +187,8 @@ def main() -> None:
     per_step = wall / steps * 1e3
     print(f"model {core.loaded.model_dir} ({'tiny ' if args.tiny else ''}{core.quantization}) on {core.device}, "
           f"{args.num_seqs} sequences decoding, {steps} steps, async scheduling "
-          f"{'on' if core.async_scheduling else 'off'}")
+          f"{'on' if core.async_scheduling else 'off'}, attention: "
+          f"{attention_plan.describe(getattr(core.runner, 'eager', core.runner).kernels)}")
     print(f"step: {per_step:.3f} ms wall, {tokens / wall:.0f} tokens/s, "
           f"{wall / max(tokens, 1) * 1e6:.2f} us per token")
     print(f"{'phase':<30}{'ms/step':>10}{'share':>8}{'us/seq':>9}")

@@ -7,8 +7,10 @@ the runner installs for the forward pass. Per layer it
   1. writes the new tokens' K/V into the paged cache (one index_copy_ per tensor, through the slot mapping);
   2. attends: the single-token sequences (decodes) as one batched SDPA over their gathered blocks with a length
      mask; each longer run (a prompt or a chunk of one) on its own, causally, over its cached context. On CUDA in
-     half precision, where flash attention's variable-length kernel runs, the whole step is one call instead: every
-     run's context gathered by whole blocks (padded to a whole number of them), with its real length in seqused_k.
+     half precision the whole step is one variable-length call instead (VarlenAttention), by one of two kernels
+     (VarlenKernels, chosen at start-up per kind of step by enginecore.attention_plan): flash attention's, over every
+     run's context gathered by whole blocks (padded to a whole number of them) with its real length in seqused_k,
+     or enginecore.paged_triton's, which reads the blocks where they lie.
 
 transformers builds no mask for an implementation it has no mask function for (masking_utils returns early), which
 is what we want: a mask over the packed batch would be wrong and large. We deliberately register no mask
@@ -17,6 +19,7 @@ function: one that returns None would still make transformers inspect the positi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -68,11 +71,31 @@ class StepAttention:
     varlen: VarlenAttention | None = None  # set instead of the rest where flash varlen attention runs
 
 
+# (q [tokens, heads, d], one layer's cache [2, blocks, block_size, kv_heads, d], the step, scaling) -> [tokens, heads, d]
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, VarlenAttention, float], torch.Tensor]
+
+
+def gathered_flash(q: torch.Tensor, layer_kv: torch.Tensor, step: VarlenAttention, scaling: float) -> torch.Tensor:
+    """Every run's context gathered by whole blocks, then one flash varlen call."""
+    k, v = _gather_blocks(layer_kv, step.kv_blocks)
+    return flash_varlen(q.contiguous(), k, v, step.cu_q, step.cu_k, step.seqused_k, step.max_q, step.max_k, scaling)
+
+
+@dataclass(frozen=True)
+class VarlenKernels:
+    """The kernel of each kind of varlen step: decode-only (max_q 1) and with prompt tokens."""
+
+    decodes: VarlenKernel = gathered_flash
+    mixed: VarlenKernel = gathered_flash
+
+
 class _Current:
-    """The step being computed and the cache it uses (one forward pass at a time per process)."""
+    """The step being computed, the cache it uses and the kernels of varlen steps (one forward pass at a time per
+    process; the model runner sets them)."""
 
     step: StepAttention | None = None
     kv_cache = None  # enginecore.kv_cache.KVCache
+    kernels = VarlenKernels()
 
 
 current = _Current()
@@ -116,10 +139,8 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
 def _varlen(layer: int, query: torch.Tensor, step: VarlenAttention, scaling) -> torch.Tensor:
     """Causal attention aligned to the end of each sequence's context (bottom right): right for a decode, a
     fresh prompt and a chunk after cached tokens alike."""
-    k, v = _gather_blocks(current.kv_cache.layers[layer], step.kv_blocks)
-    q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, d]
-    out = flash_varlen(q, k, v, step.cu_q, step.cu_k, step.seqused_k, step.max_q, step.max_k, scaling)
-    return out.unsqueeze(0)
+    kernel = current.kernels.decodes if step.max_q == 1 else current.kernels.mixed
+    return kernel(query[0].transpose(0, 1), current.kv_cache.layers[layer], step, scaling).unsqueeze(0)
 
 
 def _gather_blocks(layer_kv: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,38 +176,6 @@ def varlen_reference(q, k, v, cu_q, cu_k, seqused_k, max_q: int, max_k: int, sca
                  v[None, k0:k0 + used].transpose(1, 2), attn_mask=mask, scale=scaling, enable_gqa=group > 1)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
-
-
-def flash_varlen_works(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether this torch build runs variable-length flash attention here (CUDA, half precision, its head sizes)
-    as _varlen calls it, checked once against varlen_reference: K/V gathered by padded blocks, real lengths in
-    seqused_k (older builds lack the argument), for a step of a decode plus a chunk after cached context, and for
-    a decode-only step shaped like a CUDA graph's (flash takes another path when every query is alone)."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        block = 16
-        layer_kv = torch.randn(2, 80, block, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-
-        def check(blocks: list[int], runs: list[tuple[int, int, int]]) -> bool:
-            """runs: (queries, context length, blocks), their blocks one after the other in `blocks`."""
-            q = torch.randn(sum(n for n, _, _ in runs), heads, head_dim, device=device, dtype=dtype, generator=g)
-            k, v = _gather_blocks(layer_kv, torch.tensor(blocks, device=device))
-            args = (q, k, v,
-                    torch.tensor([0] + [n for n, _, _ in runs], device=device).cumsum(0, dtype=torch.int32),
-                    torch.tensor([0] + [b * block for _, _, b in runs], device=device).cumsum(0, dtype=torch.int32),
-                    torch.tensor([c for _, c, _ in runs], device=device, dtype=torch.int32),
-                    max(n for n, _, _ in runs), max(b for _, _, b in runs) * block, head_dim ** -0.5)
-            return torch.allclose(flash_varlen(*args), varlen_reference(*args), atol=2e-2, rtol=2e-2)
-
-        # A decode at position 20 (2 blocks, 21 tokens), then 3 new tokens after 30 cached ones (3 blocks).
-        mixed = check([7, 3, 11, 0, 5], [(1, 21, 2), (3, 33, 3)])
-        # Decodes padded to 32 blocks each (long enough that flash may split the keys), the last a padding row.
-        decodes = check(list(range(16, 48)) + list(range(40, 72)) + [79] * 32, [(1, 300, 32), (1, 37, 32), (1, 1, 32)])
-        return mixed and decodes
-    except Exception:  # no flash kernel in this build or for these shapes, or no seqused_k
-        return False
 
 
 def _gather(layer_kv: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

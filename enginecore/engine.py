@@ -102,7 +102,8 @@ class EngineCore(EngineBase):
         if context_len and max_len > context_len:
             raise BadEngineSetting(f"--max-model-len {max_len} exceeds the model's context of {context_len} tokens")
 
-        self.runner = ModelRunner(loaded.model, self.device, config.block_size, lean_model=lean_model)
+        self.runner = ModelRunner(loaded.model, self.device, config.block_size, lean_model=lean_model,
+                                  attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs)
         shape = KVShape.of(loaded.hf_config)
         num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).

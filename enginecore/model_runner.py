@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from enginecore import attention
+from enginecore import attention, attention_plan
 from enginecore.kv_cache import KVCache
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import StepInputs, build_step_inputs
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, kv_cache: KVCache | None = None,
-                 lean_model=None):
+                 lean_model=None, attention_backend: str = "auto", max_num_seqs: int = 256):
         self.model = model
         self.lean_model = lean_model  # enginecore.lean_model.LeanLlama, or None: transformers' forward
         self.device = device
@@ -34,15 +34,14 @@ class ModelRunner:
             raise RuntimeError(f"{type(model).__name__} cannot use the engine's paged attention: {exc}") from exc
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             raise RuntimeError(f"{type(model).__name__} does not support a pluggable attention implementation")
-        # On CUDA in half precision all prefill runs of a step go to one flash varlen call: one launch per layer
-        # instead of several per sequence.
+        # On CUDA in half precision a whole step is one varlen attention call per layer instead of several per
+        # sequence; which kernel computes it is decided here (enginecore.attention_plan).
         text = model.config.get_text_config()
         heads = text.num_attention_heads
-        self.varlen = attention.flash_varlen_works(
+        self.kernels = attention_plan.plan_varlen(
             device, model.dtype, heads, getattr(text, "num_key_value_heads", None) or heads,
-            getattr(text, "head_dim", None) or text.hidden_size // heads)
-        if device.type == "cuda":
-            log.info("prefill attention: %s", "flash varlen" if self.varlen else "SDPA per sequence")
+            getattr(text, "head_dim", None) or text.hidden_size // heads, attention_backend, max_num_seqs)
+        self.varlen = self.kernels is not None
 
     def prepare(self, entries: list[tuple[Sequence, int]]) -> StepInputs:
         return build_step_inputs(entries, self.block_size, self.device, varlen=self.varlen)
@@ -50,7 +49,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """[len(inputs.sample_rows), vocab] logits: the sampled rows, then any prompt-logprob rows."""
-        with _attending(inputs, self.kv_cache):
+        with _attending(inputs, self.kv_cache, self.kernels):
             if self.lean_model is not None:
                 return self.lean_model.forward(inputs.input_ids[0], inputs.positions[0], inputs.sample_rows)
             out = self.model(
@@ -65,7 +64,7 @@ class ModelRunner:
     def hidden(self, inputs: StepInputs) -> torch.Tensor:
         """The lean forward's layers only: [T, hidden] before the final norm (what a CUDA graph of a step with
         prompt tokens holds); `logits` finishes the step."""
-        with _attending(inputs, self.kv_cache):
+        with _attending(inputs, self.kv_cache, self.kernels):
             return self.lean_model.hidden(inputs.input_ids[0], inputs.positions[0])
 
     @torch.inference_mode()
@@ -74,10 +73,11 @@ class ModelRunner:
 
 
 @contextmanager
-def _attending(inputs: StepInputs, kv_cache: KVCache | None):
-    """The step paged attention computes while the model runs (enginecore.attention.current)."""
+def _attending(inputs: StepInputs, kv_cache: KVCache | None, kernels: attention.VarlenKernels | None):
+    """The step paged attention computes while the model runs, and how (enginecore.attention.current)."""
     attention.current.step = inputs.attention
     attention.current.kv_cache = kv_cache
+    attention.current.kernels = kernels or attention.VarlenKernels()
     try:
         yield
     finally:

@@ -38,6 +38,9 @@ class ServeConfig:
     # all (0: only decode-only steps replay graphs). Where flash varlen attention and the lean forward run.
     cuda_graph_max_tokens: int = 1024
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
+    # CUDA, half precision: the kernel of a step's attention: auto (each kind of step the faster of the two at
+    # start-up) | flash (gather + flash varlen) | triton (paged, reads the cache blocks where they lie).
+    attention_backend: str = "auto"
     seed: int = 0
     engine_ready_timeout: float = 600.0
     # One engine step running longer than this is a wedged engine: it stops answering pings (its API servers then

@@ -129,6 +129,13 @@ def _positive(click_context, param, value):
               help="CUDA: a step with prompt tokens (new requests' prefills beside running decodes) replays a CUDA "
                    "graph of its layers when it has at most this many tokens; 0: only decode-only steps do. Needs "
                    "flash varlen attention (half precision) and a Llama-architecture model.")
+@click.option("--attention-backend", default=_DEFAULTS.attention_backend, show_default=True,
+              type=click.Choice(["auto", "flash", "triton"]),
+              help="CUDA in half precision: the attention kernel. flash: every context's K/V gathered from the "
+                   "cache, then torch's flash varlen kernel; triton: a paged kernel that reads the cache blocks "
+                   "where they lie; auto: each must match a reference at start-up, and decode-only steps and steps "
+                   "with prompt tokens each take the one faster on a step of that kind timed there. Elsewhere "
+                   "attention runs per sequence with SDPA (only auto is accepted).")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Schedule and prepare the next step while the device computes this one (the outputs of a "
                    "step go out during the next). [default: on for CUDA, off on the CPU]")

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests import triton_setup  # noqa: F401  (first: it may choose Triton's interpreter, see there)
+
 from tests.supervise_process import Supervise
 
 HERMES_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates", "tool_chat_template_hermes.jinja")

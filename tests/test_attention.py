@@ -1,7 +1,9 @@
-"""The inputs of the flash varlen step (enginecore.step_inputs with varlen=True), checked on any machine: flash
-attention itself needs CUDA, so attention.flash_varlen is replaced by attention.varlen_reference (the same call in
-plain torch, SDPA run by run), and a step described for it must attend exactly as the SDPA paths (varlen=False)
-do, in float32 on the CPU. tests/test_engine_cuda.py checks the real kernel against the same SDPA paths."""
+"""The inputs of the varlen step (enginecore.step_inputs with varlen=True), checked on any machine: a step described
+for it must attend exactly as the SDPA paths (varlen=False) do, in float32 on the CPU, through either kernel of
+varlen steps. Flash attention itself needs CUDA, so for gather + flash attention.flash_varlen is replaced by
+attention.varlen_reference (the same call in plain torch, SDPA run by run); the paged Triton kernel runs through
+Triton's interpreter (tests/triton_setup.py). tests/test_engine_cuda.py checks the real kernels against the same
+SDPA paths."""
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +14,7 @@ from enginecore.kv_cache import KVCache, KVShape
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import DecodePadding, MixedPadding, build_step_inputs
 from ipc.sampling import SamplingParams
+from tests.triton_setup import DEVICE, HAVE_TRITON
 
 BLOCK = 4  # small blocks: short contexts still span several, most of them partly filled
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -19,9 +22,15 @@ NUM_BLOCKS = 64
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def cache(monkeypatch):
+@pytest.fixture(params=["gather-flash", "paged-triton"])
+def cache(monkeypatch, request):
     monkeypatch.setattr(attention, "flash_varlen", attention.varlen_reference)
+    if request.param == "paged-triton":
+        if not HAVE_TRITON or DEVICE.type != "cpu":
+            pytest.skip("no Triton" if not HAVE_TRITON else "on a GPU, tests/test_engine_cuda.py runs these cases")
+        from enginecore.paged_triton import paged
+
+        monkeypatch.setattr(attention.current, "kernels", attention.VarlenKernels(decodes=paged, mixed=paged))
     g = torch.Generator().manual_seed(0)
     kv = KVCache(KVShape(1, KV_HEADS, HEAD_DIM), NUM_BLOCKS, BLOCK, torch.float32, CPU)
     kv.tensor.normal_(generator=g)  # every slot distinct, the scratch block too

@@ -1,5 +1,5 @@
 """The CUDA path (skipped without a GPU): greedy tokens equal transformers' on the same GPU in float32, with CUDA
-graphs and without, with asynchronous scheduling and without. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
+graphs and without, with asynchronous scheduling and without; in bfloat16, with either attention kernel. Uses random weights shaped like SmolLM2-135M, so it needs no model files."""
 import pytest
 import torch
 
@@ -82,10 +82,11 @@ def test_cuda_greedy_matches_transformers(loaded, prompts, references, enforce_e
     assert a[("s", 0)] == b[("s", 0)]
 
 
-def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
+@pytest.mark.parametrize("attention_backend", ["flash", "triton"])
+def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts, attention_backend):
     """bfloat16 rounds differently in every kernel, so a near-tie may go either way and the texts then part. So
-    each engine token (flash varlen attention, graph decodes) is checked against transformers' logits for the
-    engine's own text: it must be the argmax or within bfloat16 noise of it; a wrong attention is logits off."""
+    each engine token (varlen attention by either kernel, graph decodes) is checked against transformers' logits for
+    the engine's own text: it must be the argmax or within bfloat16 noise of it; a wrong attention is logits off."""
     from enginecore.engine import EngineCore
     from enginecore.loader import load_model
     from ipc.config import ServeConfig
@@ -94,7 +95,7 @@ def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
 
     bf16 = load_model(loaded.model_dir, "cuda", "bfloat16")
     config = ServeConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
-                         max_num_batched_tokens=512)
+                         max_num_batched_tokens=512, attention_backend=attention_backend)
     engine = EngineCore(config, loaded=bf16)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
@@ -113,26 +114,30 @@ def test_cuda_bfloat16_tokens_are_transformers_argmax(loaded, prompts):
             chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
             gaps += (logits.max(dim=1).values - chosen).tolist()
     exact = sum(g == 0 for g in gaps)
-    print(f"bfloat16: {exact}/{len(gaps)} tokens are transformers' argmax, largest gap {max(gaps):.3f} logits")
+    print(f"bfloat16, {attention_backend}: {exact}/{len(gaps)} tokens are transformers' argmax, largest gap {max(gaps):.3f} logits")
     assert max(gaps) < 0.25 and exact >= 0.8 * len(gaps)
 
 
-def test_varlen_step_matches_per_sequence_attention():
-    """bfloat16: one flash varlen call for the whole step (a decode, fresh prompts, a chunk after cached context),
+@pytest.mark.parametrize("kernel", ["flash", "triton"])
+def test_varlen_step_matches_per_sequence_attention(kernel):
+    """bfloat16: one varlen call (either kernel) for the whole step (a decode, fresh prompts, a chunk after cached context),
     K/V gathered by whole blocks with the real lengths in seqused_k, equals the batched decode plus SDPA run by run;
     so do the step padded for a CUDA graph of its layers (padding tokens and runs, max_q and max_k the graph's
     bounds) and a CUDA graph's decode step (rows padded to a bucket's blocks, padding rows)."""
     from types import SimpleNamespace
 
-    from enginecore import attention
+    from enginecore import attention, attention_plan
     from enginecore.kv_cache import KVCache, KVShape
     from enginecore.sequence import Sequence
     from enginecore.step_inputs import DecodePadding, MixedPadding, build_step_inputs
     from ipc.sampling import SamplingParams
 
     device = torch.device("cuda")
-    if not attention.flash_varlen_works(device, torch.bfloat16, 9, 3, 64):
-        pytest.skip("no flash varlen attention in this torch build")
+    varlen_kernel, why_not = attention_plan.kernel_named(kernel)
+    why_not = why_not or attention_plan.kernel_fails(varlen_kernel, device, torch.bfloat16, 9, 3, 64)
+    if why_not is not None:
+        pytest.skip(f"{attention_plan.NAMES[kernel]} does not run here: {why_not}")
+    attention.current.kernels = attention.VarlenKernels(decodes=varlen_kernel, mixed=varlen_kernel)
     g = torch.Generator(device=device).manual_seed(0)
     cache = KVCache(KVShape(1, 3, 64), 64, 16, torch.bfloat16, device)
     cache.tensor.normal_(generator=g)
@@ -166,3 +171,4 @@ def test_varlen_step_matches_per_sequence_attention():
             outs.append(out)
         attention.current.step = None
         torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    attention.current.kernels = attention.VarlenKernels()

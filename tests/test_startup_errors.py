@@ -1,4 +1,5 @@
 """What an operator sees when `supervise` cannot start: one clear line and a meaningful exit code."""
+import os
 import socket
 import subprocess
 
@@ -51,6 +52,7 @@ def test_directory_that_is_not_a_model_is_refused(tmp_path):
     (("--log-stats-interval", "soon"), "--log-stats-interval"),
     (("--async-scheduling=yes",), "--async-scheduling"),
     (("--cuda-graph-max-tokens", "-8"), "--cuda-graph-max-tokens"),
+    (("--attention-backend", "xformers"), "--attention-backend"),
 ])
 def test_bad_option_values_are_refused_before_anything_starts(args, flag):
     result = run_supervise(*args, timeout=30)
@@ -82,3 +84,12 @@ def test_help_lists_the_chat_options():
     for option in ("--chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
                    "hermes", "llama3_json", "pythonic", "deepseek_r1", "qwen3"):
         assert option in result.stdout
+
+
+def test_an_attention_kernel_the_engine_cannot_run_is_refused():
+    """--attention-backend flash or triton on the CPU (in float32): one line that says why, exit code 2."""
+    tiny = os.path.join(os.path.dirname(__file__), "models", "tiny-llama")
+    result = run_supervise("--port", "0", "--model", tiny, "--load-format", "dummy", "--attention-backend", "triton")
+    assert result.returncode == 2, result.stderr
+    assert "--attention-backend triton needs CUDA in half precision; this engine runs on cpu in float32" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,194 @@
+"""Which kernel computes each kind of varlen step (enginecore.attention.VarlenKernels), decided once at start-up.
+
+Two kernels compute a whole step in one call on CUDA in half precision: gather + flash (torch's flash varlen
+kernel over every run's K/V gathered from the cache) and paged Triton (enginecore.paged_triton, which reads the
+blocks where they lie). Each must first give the reference's result on this GPU, this torch build and this model's
+head shapes; with --attention-backend auto, when both do, each kind of step (decode-only, with prompt tokens) takes
+the one that was faster on a step of that kind timed here: the kernels' speeds depend on the GPU, the head shapes
+and the builds, and a measurement on the machine itself settles what no default could.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.attention import VarlenAttention, VarlenKernel, VarlenKernels, gathered_flash, varlen_reference
+from enginecore.engine_base import BadEngineSetting
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash", "triton")
+NAMES = {"flash": "gather + flash", "triton": "paged Triton"}
+# The timed steps: decodes of random contexts up to this many tokens, and a prompt chunk after as many cached.
+TIMED_CONTEXT = 512
+TIMED_CHUNK = 512
+TIMED_RUNS = 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """A step on one layer's cache: runs as (new tokens, context length), each run's blocks in kv_blocks."""
+
+    q: torch.Tensor
+    layer_kv: torch.Tensor
+    step: VarlenAttention
+    scaling: float
+
+
+def plan_varlen(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                backend: str = "auto", max_num_seqs: int = 256) -> VarlenKernels | None:
+    """The kernels of varlen steps here, or None where none runs (the CPU, float32): attention then runs per
+    sequence with SDPA. An explicit backend that cannot run here is an error."""
+    if backend not in BACKENDS:
+        raise BadEngineSetting(f"--attention-backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        if backend != "auto":
+            raise BadEngineSetting(f"--attention-backend {backend} needs CUDA in half precision; this engine runs "
+                                   f"on {device.type} in {str(dtype).removeprefix('torch.')}")
+        return None
+    shapes = (device, dtype, heads, kv_heads, head_dim)
+    working: dict[str, VarlenKernel] = {}
+    for name in (BACKENDS[1:] if backend == "auto" else (backend,)):
+        kernel, why_not = kernel_named(name)
+        if kernel is not None:
+            why_not = kernel_fails(kernel, *shapes)
+        if kernel is not None and why_not is None:
+            working[name] = kernel
+        elif backend != "auto":
+            raise BadEngineSetting(f"--attention-backend {backend}: {NAMES[name]} attention does not run here "
+                                   f"({why_not})")
+        else:
+            log.info("attention: %s does not run here (%s)", NAMES[name], why_not)
+    if not working:
+        log.info("attention: SDPA per sequence")
+        return None
+    if len(working) == 1:
+        (name, kernel), = working.items()
+        log.info("attention: %s", NAMES[name])
+        return VarlenKernels(decodes=kernel, mixed=kernel)
+    decode, mixed = (_fastest(working, case, kind) for case, kind in (
+        (decode_case(*shapes, runs=min(max_num_seqs, 256)), "decode-only steps"),
+        (mixed_case(*shapes, decodes=min(max_num_seqs, 64) - 1), "steps with prompt tokens")))
+    return VarlenKernels(decodes=working[decode], mixed=working[mixed])
+
+
+def describe(kernels: VarlenKernels | None) -> str:
+    """How this engine attends, for benchmarks' headers."""
+    if kernels is None:
+        return "SDPA per sequence"
+    name = {k: NAMES["triton" if getattr(k, "__name__", "") == "paged" else "flash"]
+            for k in (kernels.decodes, kernels.mixed)}
+    if name[kernels.decodes] == name[kernels.mixed]:
+        return name[kernels.decodes]
+    return f"{name[kernels.decodes]} for decode-only steps, {name[kernels.mixed]} for steps with prompt tokens"
+
+
+def kernel_named(name: str) -> tuple[VarlenKernel | None, str | None]:
+    if name == "flash":
+        return gathered_flash, None
+    try:
+        from enginecore.paged_triton import paged
+    except Exception as exc:  # no Triton, or one that cannot build for this GPU
+        return None, f"{type(exc).__name__}: {exc}"
+    return paged, None
+
+
+def kernel_fails(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                 head_dim: int) -> str | None:
+    """Why `kernel` does not compute what varlen_reference does here (None: it does), on steps that take each
+    path a kernel may have: a decode beside a chunk after cached context; decodes of a CUDA graph (contexts padded
+    to 32 blocks, the last row padding); two decodes of long contexts, few enough that a kernel splits the keys."""
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        for runs, blocks in (([(1, 21), (3, 33)], None), ([(1, 300), (1, 37), (1, 1)], 32), ([(1, 700), (1, 1000)], None)):
+            case = make_case(runs, device, dtype, heads, kv_heads, head_dim, g, blocks_per_run=blocks)
+            got = kernel(case.q, case.layer_kv, case.step, case.scaling).float()
+            want = reference(case).float()
+            error = ((got - want).norm() / want.norm()).item()
+            if not error < 2e-2:  # bfloat16 lands near 4e-3
+                return f"{error:.2g} off the reference on contexts {[c for _, c in runs]}"
+    except Exception as exc:  # no kernel in this build, for these shapes, or no seqused_k (older torch)
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {first_line[:160]}"
+    return None
+
+
+def decode_case(device, dtype, heads: int, kv_heads: int, head_dim: int, runs: int) -> Case:
+    rng = random.Random(1)
+    return make_case([(1, rng.randrange(64, TIMED_CONTEXT)) for _ in range(runs)], device, dtype, heads, kv_heads,
+                 head_dim, torch.Generator(device=device).manual_seed(1))
+
+
+def mixed_case(device, dtype, heads: int, kv_heads: int, head_dim: int, decodes: int) -> Case:
+    rng = random.Random(2)
+    runs = [(1, rng.randrange(64, TIMED_CONTEXT)) for _ in range(decodes)] + [(TIMED_CHUNK, 2 * TIMED_CHUNK)]
+    return make_case(runs, device, dtype, heads, kv_heads, head_dim, torch.Generator(device=device).manual_seed(2))
+
+
+def make_case(runs: list[tuple[int, int]], device, dtype, heads: int, kv_heads: int, head_dim: int,
+          g: torch.Generator, block_size: int = 16, blocks_per_run: int | None = None) -> Case:
+    """Random q and cache; each run's blocks drawn at random from the cache (padded to blocks_per_run with the
+    last block, as a CUDA graph's rows are)."""
+    counts = [blocks_per_run or -(-context // block_size) for _, context in runs]
+    num_blocks = sum(counts) + 1
+    layer_kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3)).tolist()
+    blocks, taken = [], 0
+    for (_, context), count in zip(runs, counts):
+        used = -(-context // block_size)
+        blocks += order[taken:taken + used] + [num_blocks - 1] * (count - used)
+        taken += used
+    ints = dict(device=device, dtype=torch.int32)
+    step = VarlenAttention(
+        kv_blocks=torch.tensor(blocks, device=device),
+        cu_q=torch.tensor([0] + [n for n, _ in runs], **ints).cumsum(0, dtype=torch.int32),
+        cu_k=torch.tensor([0] + [c * block_size for c in counts], **ints).cumsum(0, dtype=torch.int32),
+        seqused_k=torch.tensor([c for _, c in runs], **ints),
+        max_q=max(n for n, _ in runs), max_k=max(counts) * block_size)
+    q = torch.randn(sum(n for n, _ in runs), heads, head_dim, device=device, dtype=dtype, generator=g)
+    return Case(q, layer_kv, step, head_dim ** -0.5)
+
+
+def reference(case: Case) -> torch.Tensor:
+    s = case.step
+    k, v = (case.layer_kv[i].index_select(0, s.kv_blocks).flatten(0, 1) for i in (0, 1))
+    return varlen_reference(case.q.float(), k.float(), v.float(), s.cu_q, s.cu_k, s.seqused_k, s.max_q, s.max_k,
+                            case.scaling)
+
+
+def _fastest(kernels: dict[str, VarlenKernel], case: Case, kind: str) -> str:
+    times = {name: time_kernel(kernel, case) for name, kernel in kernels.items()}
+    best = min(times, key=lambda name: times[name])
+    log.info("attention for %s: %s (a layer of %d runs: %s)", kind, NAMES[best], len(case.step.seqused_k),
+             ", ".join(f"{NAMES[n]} {t * 1e3:.1f} us" for n, t in times.items()))
+    return best
+
+
+def time_kernel(kernel: VarlenKernel, case: Case) -> float:
+    """Milliseconds a call on the GPU: TIMED_RUNS calls captured in a CUDA graph, one replay timed with CUDA
+    events, as the engine's graphs run them (eager calls would time the host's launches instead for small steps;
+    where the capture fails, they are what is timed). Warmed up first: Triton compiles on its first call."""
+    def calls() -> None:
+        for _ in range(TIMED_RUNS):
+            kernel(case.q, case.layer_kv, case.step, case.scaling)
+
+    calls()
+    torch.cuda.synchronize(case.q.device)
+    runs = calls
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        runs = graph.replay
+    except Exception:  # a kernel this build cannot capture: time it eagerly
+        torch.cuda.synchronize(case.q.device)
+    runs()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    runs()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / TIMED_RUNS
