@@ -3,9 +3,10 @@ from the cache blocks where they lie. Imported only where Triton is (CUDA; the t
 Triton's interpreter).
 
 Why: gather + flash reads every context's K/V from the cache, writes it into one contiguous buffer per layer and
-reads it again (three passes over the step's largest data), and pads each context to whole blocks. At 256
-sequences of Llama-3.1-8B the gather alone was 21% of a decode step's GPU time. Here each program reads its
-sequence's blocks through the block table, once.
+reads it again (three passes over the step's largest data after the weights), and pads each context to whole
+blocks. At 256 sequences of Llama-3.1-8B the gather, slot by slot then, was 21% of a decode step's GPU time; by
+whole blocks it is faster, but still two of the three passes. Here each program reads its sequence's blocks
+through the block table, once.
 
 One kernel serves decodes and prompt chunks alike. A program takes one run (a sequence's new tokens), one KV head
 and a tile of rows, where a row is one (query, head of that KV head's group) pair: GQA heads share every K/V load,
@@ -30,11 +31,13 @@ MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 32
 
 # The metadata tensors may be views at any offset (a CUDA graph's static buffers): no alignment specialization,
-# so one compiled kernel serves every step and none is compiled while a graph is captured.
+# and no specialization on the query strides (transformers' own forward hands a view whose strides grow with the
+# step's tokens), so one compiled kernel serves every step and none is compiled while a graph is captured.
 _UNALIGNED = ["q_ptr", "kv_blocks_ptr", "cu_q_ptr", "cu_k_ptr", "seqused_k_ptr"]
 
 
-@triton.jit(do_not_specialize=["splits", "num_runs"], do_not_specialize_on_alignment=_UNALIGNED)
+@triton.jit(do_not_specialize=["splits", "num_runs", "stride_qt", "stride_qh"],
+            do_not_specialize_on_alignment=_UNALIGNED)
 def _attend(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr, kv_blocks_ptr, cu_q_ptr, cu_k_ptr,
             seqused_k_ptr, scale_log2, splits, num_runs,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
@@ -119,7 +122,8 @@ def _attend(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr, kv_blocks_p
 @triton.jit(do_not_specialize=["splits"])
 def _merge(out_ptr, part_acc_ptr, part_ml_ptr, splits, stride_ot, stride_oh,
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One (token, head): the splits' partial softmaxes into one. A split that saw no key has m = -inf and a total of 0."""
+    """One (token, head): the splits' partial softmaxes into one. A split that saw no key has m = -inf and a
+    total of 0."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     part = (token * tl.num_programs(1) + head) * splits + tl.arange(0, BLOCK_S)
