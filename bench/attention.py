@@ -2,8 +2,10 @@
 kernel over every context gathered from the cache) against paged Triton (enginecore.paged_triton, which reads the
 cache blocks where they lie), on each model shape's heads, for decode-only steps and a step with a prompt chunk.
 
-Each row: microseconds a layer by each kernel, the paged kernel's speed-up, and the bandwidth at which it reads the
-step's K/V (the bytes it must read, over its time) as a share of the GPU's (--bandwidth-tbps). The targets: paged at
+Each row: microseconds a layer by each kernel (the paged kernel with its default decode tile, and on decode rows its
+fastest tile, as the engine's start-up choice would take it), the paged kernel's speed-up (its best), and the
+bandwidth at which it reads the step's K/V (the bytes it must read, over its time) as a share of the GPU's
+(--bandwidth-tbps). The targets: paged at
 least as fast as gather + flash on every row, and >= 50% of the bandwidth on the decode rows of 256 sequences
 (the rows an engine at full load runs); the verdict line says whether each holds.
 
@@ -54,7 +56,10 @@ def main() -> None:
     device = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float16 if args.cpu else torch.bfloat16  # the interpreter multiplies bfloat16 wrongly
     rows = []
-    print(f"{'shape':14} {'step':34} {'flash us':>9} {'paged us':>9} {'speed-up':>8} {'paged TB/s':>10} {'of peak':>7}")
+    from enginecore import paged_triton
+
+    print(f"{'shape':14} {'step':34} {'flash us':>9} {'paged us':>9} {'best tile us':>13} {'speed-up':>8} "
+          f"{'paged TB/s':>10} {'of peak':>7}  best decode tile")
     for name in args.shapes:
         heads, kv_heads, head_dim = _heads(SHAPES[name])
         kernels = {}
@@ -73,14 +78,21 @@ def main() -> None:
             row = {"shape": name, "step": step, "flash_us": _us(times.get("flash")), "paged_us": _us(times.get("triton")),
                    "kv_bytes": kv_bytes}
             if "triton" in times:
-                row["paged_tbps"] = kv_bytes / times["triton"] / 1e12
+                tiles = {paged_triton.DECODE_TILES[0]: times["triton"]}
+                if case.step.max_q == 1:
+                    tiles.update({tile: _time(paged_triton.paged_with(tile), case)
+                                  for tile in paged_triton.DECODE_TILES[1:]})
+                best = min(tiles, key=lambda tile: tiles[tile])
+                row["best_tile"], row["best_tile_us"] = paged_triton.tile_name(best), tiles[best] * 1e6
+                row["paged_tbps"] = kv_bytes / tiles[best] / 1e12
                 row["of_peak"] = row["paged_tbps"] / args.bandwidth_tbps
-            if len(times) == 2:
-                row["speedup"] = times["flash"] / times["triton"]
+                if "flash" in times:
+                    row["speedup"] = times["flash"] / tiles[best]
             rows.append(row)
             print(f"{name:14} {step:34} {_cell(row['flash_us'], 9, '.1f')} {_cell(row['paged_us'], 9, '.1f')} "
-                  f"{_cell(row.get('speedup'), 8, '.2f')} {_cell(row.get('paged_tbps'), 10, '.2f')} "
-                  f"{_cell(row.get('of_peak'), 7, '.0%')}")
+                  f"{_cell(row.get('best_tile_us'), 13, '.1f')} {_cell(row.get('speedup'), 8, '.2f')} "
+                  f"{_cell(row.get('paged_tbps'), 10, '.2f')} {_cell(row.get('of_peak'), 7, '.0%')}  "
+                  f"{row.get('best_tile', '-')}")
     _verdict(rows)
     if args.result_json:
         with open(args.result_json, "w") as f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -49,7 +50,15 @@ def plan_varlen(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: 
             raise BadEngineSetting(f"--attention-backend {backend} needs CUDA in half precision; this engine runs "
                                    f"on {device.type} in {str(dtype).removeprefix('torch.')}")
         return None
-    shapes = (device, dtype, heads, kv_heads, head_dim)
+    return choose((device, dtype, heads, kv_heads, head_dim), backend, max_num_seqs)
+
+
+# (device, dtype, heads, kv_heads, head_dim): what a kernel is checked and timed on.
+Shapes = tuple[torch.device, torch.dtype, int, int, int]
+
+
+def choose(shapes: Shapes, backend: str, max_num_seqs: int) -> VarlenKernels | None:
+    """plan_varlen's choice where a varlen kernel may run: shapes = (device, dtype, heads, kv_heads, head_dim)."""
     working: dict[str, VarlenKernel] = {}
     for name in (BACKENDS[1:] if backend == "auto" else (backend,)):
         kernel, why_not = kernel_named(name)
@@ -65,25 +74,45 @@ def plan_varlen(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: 
     if not working:
         log.info("attention: SDPA per sequence")
         return None
-    if len(working) == 1:
-        (name, kernel), = working.items()
-        log.info("attention: %s", NAMES[name])
-        return VarlenKernels(decodes=kernel, mixed=kernel)
-    decode, mixed = (_fastest(working, case, kind) for case, kind in (
-        (decode_case(*shapes, runs=min(max_num_seqs, 256)), "decode-only steps"),
-        (mixed_case(*shapes, decodes=min(max_num_seqs, 64) - 1), "steps with prompt tokens")))
-    return VarlenKernels(decodes=working[decode], mixed=working[mixed])
+    decodes = dict(working)
+    if "triton" in working:  # the paged kernel's other decode tiles, each checked as the default one was
+        decodes.update(_paged_tiles(shapes))
+    return VarlenKernels(
+        decodes=_fastest(decodes, lambda: decode_case(*shapes, runs=min(max_num_seqs, 256)), "decode-only steps"),
+        mixed=_fastest(working, lambda: mixed_case(*shapes, decodes=min(max_num_seqs, 64) - 1),
+                       "steps with prompt tokens"))
+
+
+def _paged_tiles(shapes: Shapes) -> dict[str, VarlenKernel]:
+    """The paged kernel with each of its other decode tiles that passes the reference check (named by tile)."""
+    from enginecore import paged_triton
+
+    tiles = {}
+    for tile in paged_triton.DECODE_TILES[1:]:
+        kernel = paged_triton.paged_with(tile)
+        why_not = kernel_fails(kernel, *shapes)
+        if why_not is None:
+            tiles[f"paged Triton, {paged_triton.tile_name(tile)}"] = kernel
+        else:
+            log.info("attention: paged Triton with %s does not run here (%s)", paged_triton.tile_name(tile), why_not)
+    return tiles
 
 
 def describe(kernels: VarlenKernels | None) -> str:
     """How this engine attends, for benchmarks' headers."""
     if kernels is None:
         return "SDPA per sequence"
-    name = {k: NAMES["triton" if getattr(k, "__name__", "") == "paged" else "flash"]
-            for k in (kernels.decodes, kernels.mixed)}
-    if name[kernels.decodes] == name[kernels.mixed]:
-        return name[kernels.decodes]
-    return f"{name[kernels.decodes]} for decode-only steps, {name[kernels.mixed]} for steps with prompt tokens"
+    decodes, mixed = _name(kernels.decodes), _name(kernels.mixed)
+    return decodes if decodes == mixed else f"{decodes} for decode-only steps, {mixed} for steps with prompt tokens"
+
+
+def _name(kernel: VarlenKernel) -> str:
+    tile = getattr(kernel, "decode_tile", None)
+    if tile is None:
+        return NAMES["flash"]
+    from enginecore.paged_triton import DECODE_TILES, tile_name
+
+    return NAMES["triton"] + ("" if tile == DECODE_TILES[0] else f" ({tile_name(tile)} on decodes)")
 
 
 def kernel_named(name: str) -> tuple[VarlenKernel | None, str | None]:
@@ -159,12 +188,19 @@ def reference(case: Case) -> torch.Tensor:
                             case.scaling)
 
 
-def _fastest(kernels: dict[str, VarlenKernel], case: Case, kind: str) -> str:
-    times = {name: time_kernel(kernel, case) for name, kernel in kernels.items()}
+def _fastest(kernels: dict[str, VarlenKernel], case: Callable[[], Case], kind: str) -> VarlenKernel:
+    """Of `kernels` (by name: flash, triton, or paged Triton with another decode tile), the one that ran a step
+    of `case` fastest; the only one without timing it."""
+    if len(kernels) == 1:
+        (kernel,) = kernels.values()
+        log.info("attention for %s: %s", kind, _name(kernel))
+        return kernel
+    timed = case()
+    times = {name: time_kernel(kernel, timed) for name, kernel in kernels.items()}
     best = min(times, key=lambda name: times[name])
-    log.info("attention for %s: %s (a layer of %d runs: %s)", kind, NAMES[best], len(case.step.seqused_k),
-             ", ".join(f"{NAMES[n]} {t * 1e3:.1f} us" for n, t in times.items()))
-    return best
+    log.info("attention for %s: %s (a layer of %d runs: %s)", kind, _name(kernels[best]), len(timed.step.seqused_k),
+             ", ".join(f"{NAMES.get(n, n)} {t * 1e3:.1f} us" for n, t in times.items()))
+    return kernels[best]
 
 
 def time_kernel(kernel: VarlenKernel, case: Case) -> float:

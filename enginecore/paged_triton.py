@@ -17,14 +17,16 @@ each context into `splits` ranges (flash decoding); a second kernel merges the r
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-# (rows per tile, keys per iteration, warps, pipeline stages): one for decode-only steps (a tile is one query's
-# group of heads, padded to tl.dot's minimum of 16 rows), one for steps with prompt tokens.
-DECODE_TILE = (16, 64, 4, 2)
+# (rows per tile, keys per iteration, warps, pipeline stages). Decode-only steps: a tile is one query's group of
+# heads, padded to tl.dot's minimum of 16 rows; which of these runs fastest depends on the GPU and the head size,
+# so enginecore.attention_plan times each at start-up (the first is the default). Steps with prompt tokens: one.
+DECODE_TILES = ((16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 8, 3))
 MIXED_TILE = (64, 64, 4, 2)
 # A split covers at least this many keys: below it, merging costs more than the parallelism gains.
 MIN_SPLIT_KEYS = 256
@@ -140,7 +142,8 @@ def _merge(out_ptr, part_acc_ptr, part_ml_ptr, splits, stride_ot, stride_oh,
 
 
 def paged_varlen(q: torch.Tensor, layer_kv: torch.Tensor, kv_blocks: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, seqused_k: torch.Tensor, max_q: int, max_k: int, scaling: float) -> torch.Tensor:
+                 cu_k: torch.Tensor, seqused_k: torch.Tensor, max_q: int, max_k: int, scaling: float,
+                 decode_tile: tuple[int, int, int, int] = DECODE_TILES[0]) -> torch.Tensor:
     """What attention.flash_varlen computes over K/V gathered by whole blocks, read from the cache instead.
 
     q [tokens, heads, d] (any strides with unit last stride); layer_kv [2, blocks, block_size, kv_heads, d], one
@@ -155,7 +158,7 @@ def paged_varlen(q: torch.Tensor, layer_kv: torch.Tensor, kv_blocks: torch.Tenso
     runs = seqused_k.shape[0]
     out = q.new_empty(tokens, heads, head_dim)
     decodes = max_q == 1
-    block_m, block_n, warps, stages = DECODE_TILE if decodes else MIXED_TILE
+    block_m, block_n, warps, stages = decode_tile if decodes else MIXED_TILE
     block_m = max(block_m, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = runs if decodes else tokens // (block_m // group) + runs
@@ -192,7 +195,20 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def paged(q: torch.Tensor, layer_kv: torch.Tensor, step, scaling: float) -> torch.Tensor:
-    """paged_varlen as an attention.VarlenKernel: `step` is the step's VarlenAttention."""
-    return paged_varlen(q, layer_kv, step.kv_blocks, step.cu_q, step.cu_k, step.seqused_k, step.max_q, step.max_k,
-                        scaling)
+def paged_with(decode_tile: tuple[int, int, int, int]) -> Callable:
+    """paged_varlen as an attention.VarlenKernel (`step` is the step's VarlenAttention), with this decode tile."""
+
+    def paged(q: torch.Tensor, layer_kv: torch.Tensor, step, scaling: float) -> torch.Tensor:
+        return paged_varlen(q, layer_kv, step.kv_blocks, step.cu_q, step.cu_k, step.seqused_k, step.max_q,
+                            step.max_k, scaling, decode_tile)
+
+    paged.decode_tile = decode_tile  # type: ignore[attr-defined]
+    return paged
+
+
+def tile_name(decode_tile: tuple[int, int, int, int]) -> str:
+    _, keys, warps, stages = decode_tile
+    return f"{keys} keys x {warps} warps x {stages} stages"
+
+
+paged = paged_with(DECODE_TILES[0])

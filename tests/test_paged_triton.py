@@ -163,3 +163,39 @@ def test_engine_steps_through_it_make_the_sdpa_tokens(paged_triton):
     got, calls = run(attention.VarlenKernels())
     assert got == want
     assert any(n > 1 for n in calls) and any(n == len(prompts) for n in calls)  # chunks and decode-only steps
+
+
+def test_auto_takes_the_faster_kernel_for_each_kind_of_step(monkeypatch, caplog):
+    """The start-up choice (attention_plan.choose), with stand-in times in place of the GPU's: every kernel and
+    every decode tile is checked against the reference, each kind of step takes the fastest, the log says so; a
+    kernel that fails its check is left out under auto and refused when asked for."""
+    from enginecore.paged_triton import DECODE_TILES
+
+    monkeypatch.setattr(attention, "flash_varlen", attention.varlen_reference)  # flash itself needs CUDA
+    shapes = (DEVICE, torch.float16, 8, 2, 32)
+
+    def stand_in_time(kernel, case):  # flash fastest on steps with prompt tokens, paged's second tile on decodes
+        tile = getattr(kernel, "decode_tile", None)
+        if case.step.max_q > 1:
+            return 1.0 if tile is None else 2.0
+        return {None: 3.0, DECODE_TILES[0]: 2.0, DECODE_TILES[1]: 1.0}.get(tile, 4.0)
+
+    monkeypatch.setattr(attention_plan, "time_kernel", stand_in_time)
+    with caplog.at_level("INFO", logger="enginecore.attention_plan"):
+        kernels = attention_plan.choose(shapes, "auto", max_num_seqs=8)
+    assert kernels.mixed is attention.gathered_flash
+    assert kernels.decodes.decode_tile == DECODE_TILES[1]
+    assert attention_plan.describe(kernels) == ("paged Triton (32 keys x 4 warps x 2 stages on decodes) for "
+                                                "decode-only steps, gather + flash for steps with prompt tokens")
+    decode_line = next(r.getMessage() for r in caplog.records if "for decode-only steps" in r.getMessage())
+    assert "a layer of 8 runs" in decode_line and "gather + flash 3000.0 us" in decode_line
+    assert decode_line.count("paged Triton") == 1 + len(DECODE_TILES)  # the choice, then each tile's time
+
+    real_check = attention_plan.kernel_fails
+    monkeypatch.setattr(attention_plan, "kernel_fails", lambda kernel, *shapes: (
+        "broken" if getattr(kernel, "decode_tile", None) is None else real_check(kernel, *shapes)))
+    kernels = attention_plan.choose(shapes, "auto", max_num_seqs=8)
+    assert kernels.mixed.decode_tile == DECODE_TILES[0] and kernels.decodes.decode_tile == DECODE_TILES[1]
+    with pytest.raises(BadEngineSetting, match=r"--attention-backend flash: gather \+ flash attention does not run "
+                                               r"here \(broken\)"):
+        attention_plan.choose(shapes, "flash", max_num_seqs=8)
