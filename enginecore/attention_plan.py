@@ -129,20 +129,35 @@ def kernel_fails(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype,
                  head_dim: int) -> str | None:
     """Why `kernel` does not compute what varlen_reference does here (None: it does), on steps that take each
     path a kernel may have: a decode beside a chunk after cached context; decodes of a CUDA graph (contexts padded
-    to 32 blocks, the last row padding); two decodes of long contexts, few enough that a kernel splits the keys."""
+    to 32 blocks, the last row padding); two decodes of long contexts, few enough that a kernel splits the keys.
+    On CUDA each is also replayed from a CUDA graph, as the engine's graphs run it."""
     g = torch.Generator(device=device).manual_seed(0)
     try:
         for runs, blocks in (([(1, 21), (3, 33)], None), ([(1, 300), (1, 37), (1, 1)], 32), ([(1, 700), (1, 1000)], None)):
             case = make_case(runs, device, dtype, heads, kv_heads, head_dim, g, blocks_per_run=blocks)
-            got = kernel(case.q, case.layer_kv, case.step, case.scaling).float()
             want = reference(case).float()
-            error = ((got - want).norm() / want.norm()).item()
-            if not error < 2e-2:  # bfloat16 lands near 4e-3
-                return f"{error:.2g} off the reference on contexts {[c for _, c in runs]}"
+            for got in _outputs(kernel, case):
+                error = ((got.float() - want).norm() / want.norm()).item()
+                if not error < 2e-2:  # bfloat16 lands near 4e-3
+                    return f"{error:.2g} off the reference on contexts {[c for _, c in runs]}"
     except Exception as exc:  # no kernel in this build, for these shapes, or no seqused_k (older torch)
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         return f"{type(exc).__name__}: {first_line[:160]}"
     return None
+
+
+def _outputs(kernel: VarlenKernel, case: Case) -> list[torch.Tensor]:
+    """The kernel's output on `case` called, and on CUDA also replayed from a graph that captured it."""
+    call = lambda: kernel(case.q, case.layer_kv, case.step, case.scaling)  # noqa: E731
+    outputs = [call()]
+    if case.q.device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        captured.fill_(float("nan"))  # what the replay must overwrite
+        graph.replay()
+        outputs.append(captured)
+    return outputs
 
 
 def decode_case(device, dtype, heads: int, kv_heads: int, head_dim: int, runs: int) -> Case:
