@@ -159,7 +159,8 @@ tests/test_engine_cuda.py tests/test_paged_triton.py | tee '$OUT/gpu-tests.txt'"
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
-  [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b bench/models/llama-3.1-8b on
+  # With the 15 costliest GPU operations of a step (torch.profiler): where the 8B's GPU-bound step goes.
+  [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b bench/models/llama-3.1-8b on --kernels 15
   # The same step with gather + flash for every step: what the choice of kernel changes in a whole step.
   [ "$CPU" = 1 ] || profile_step profile-llama-3.1-8b-flash bench/models/llama-3.1-8b on --attention-backend flash
   # This machine's CPU on a new request's tokens: the word cache against the tokenizer, a wave of 256 chats.
