@@ -90,6 +90,9 @@ class EngineCore(EngineBase):
             self.thread_governor = ThreadGovernor.for_this_machine()
             lean_model = prepare_cpu_model(loaded.model, loaded.dtype, self.quantization)
         else:
+            # This process's GPU becomes the current device: what launches on the current device rather than on its
+            # tensors' (Triton's kernels, CUDA events) must run there, also for a data-parallel rank on cuda:1+.
+            torch.cuda.set_device(loaded.device)
             lean_model = device_lean_model(loaded.model)
         self.quantization = getattr(lean_model, "quantization", None) or self.quantization.replace("auto", "none")
         self.loaded = loaded
