@@ -6,7 +6,6 @@ enginecore.lean_model instead, on the CPU and on CUDA (same weights, same attent
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 
 import torch
@@ -15,8 +14,6 @@ from enginecore import attention, attention_plan
 from enginecore.kv_cache import KVCache
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import StepInputs, build_step_inputs
-
-log = logging.getLogger(__name__)
 
 
 class ModelRunner:
