@@ -116,6 +116,7 @@ def _name(kernel: VarlenKernel) -> str:
 
 
 def kernel_named(name: str) -> tuple[VarlenKernel | None, str | None]:
+    """The kernel a backend names ("flash", "triton"), or why it cannot even be imported here."""
     if name == "flash":
         return gathered_flash, None
     try:
@@ -163,7 +164,7 @@ def _outputs(kernel: VarlenKernel, case: Case) -> list[torch.Tensor]:
 def decode_case(device, dtype, heads: int, kv_heads: int, head_dim: int, runs: int) -> Case:
     rng = random.Random(1)
     return make_case([(1, rng.randrange(64, TIMED_CONTEXT)) for _ in range(runs)], device, dtype, heads, kv_heads,
-                 head_dim, torch.Generator(device=device).manual_seed(1))
+                     head_dim, torch.Generator(device=device).manual_seed(1))
 
 
 def mixed_case(device, dtype, heads: int, kv_heads: int, head_dim: int, decodes: int) -> Case:
@@ -173,7 +174,7 @@ def mixed_case(device, dtype, heads: int, kv_heads: int, head_dim: int, decodes:
 
 
 def make_case(runs: list[tuple[int, int]], device, dtype, heads: int, kv_heads: int, head_dim: int,
-          g: torch.Generator, block_size: int = 16, blocks_per_run: int | None = None) -> Case:
+              g: torch.Generator, block_size: int = 16, blocks_per_run: int | None = None) -> Case:
     """Random q and cache; each run's blocks drawn at random from the cache (padded to blocks_per_run with the
     last block, as a CUDA graph's rows are)."""
     counts = [blocks_per_run or -(-context // block_size) for _, context in runs]
