@@ -199,3 +199,20 @@ def test_auto_takes_the_faster_kernel_for_each_kind_of_step(monkeypatch, caplog)
     with pytest.raises(BadEngineSetting, match=r"--attention-backend flash: gather \+ flash attention does not run "
                                                r"here \(broken\)"):
         attention_plan.choose(shapes, "flash", max_num_seqs=8)
+
+
+def test_random_steps_match_the_reference(paged_triton):
+    """Random steps: head shapes, block sizes, and runs of every kind mixed (decodes, chunks after cached context,
+    fresh prompts, runs of one token with one key), decode-only ones (which may split) included."""
+    rng = random.Random(7)
+    for trial in range(12):
+        kv_heads, group, head_dim = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 4, 7]), rng.choice([16, 32, 40])
+        block_size = rng.choice([1, 2, 4, 8, 16, 32])
+        runs = []
+        for _ in range(rng.randrange(1, 9)):
+            kind = rng.choice(["decode", "decode", "chunk", "fresh"]) if trial % 3 else "decode"
+            context = rng.randrange(1, 600)
+            new = 1 if kind == "decode" else context if kind == "fresh" else rng.randrange(1, context + 1)
+            runs.append((new, context))
+        c = case(runs, group * kv_heads, kv_heads, head_dim, torch.float32, block_size=block_size, seed=trial)
+        assert relative_error(paged_triton, c) < FLOAT32, (trial, runs, block_size, group, kv_heads, head_dim)
