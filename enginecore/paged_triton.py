@@ -17,7 +17,8 @@ each context into `splits` ranges (flash decoding); a second kernel merges the r
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import triton
@@ -27,7 +28,7 @@ import triton.language as tl
 # heads, padded to tl.dot's minimum of 16 rows; which of these runs fastest depends on the GPU and the head size,
 # so enginecore.attention_plan times each at start-up (the first is the default). Steps with prompt tokens: one.
 DECODE_TILES = ((16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 8, 3))
-MIXED_TILE = (64, 64, 4, 2)
+MIXED_TILE = (64, 64, 8, 2)
 # A split covers at least this many keys: below it, merging costs more than the parallelism gains.
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 32
@@ -149,6 +150,25 @@ def paged_varlen(q: torch.Tensor, layer_kv: torch.Tensor, kv_blocks: torch.Tenso
     q [tokens, heads, d] (any strides with unit last stride); layer_kv [2, blocks, block_size, kv_heads, d], one
     layer of the cache; the rest as VarlenAttention holds them (max_q and max_k bound the step: they size the
     grid and the splits, so a CUDA graph's values hold for every step replayed into it)."""
+    out, steps = launches(q, layer_kv, kv_blocks, cu_q, cu_k, seqused_k, max_q, max_k, scaling, decode_tile)
+    for launch in steps:
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+    return out
+
+
+@dataclass
+class Launch:
+    kernel: Any  # a triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict  # constexprs, num_warps, num_stages
+
+
+def launches(q: torch.Tensor, layer_kv: torch.Tensor, kv_blocks: torch.Tensor, cu_q: torch.Tensor,
+             cu_k: torch.Tensor, seqused_k: torch.Tensor, max_q: int, max_k: int, scaling: float,
+             decode_tile: tuple[int, int, int, int]) -> tuple[torch.Tensor, list[Launch]]:
+    """paged_varlen's output tensor and the kernel launches that fill it (tests compile them for GPUs as they
+    are launched)."""
     tokens, heads, head_dim = q.shape
     k, v = layer_kv[0], layer_kv[1]
     _, block_size, kv_heads, _ = k.shape
@@ -168,15 +188,17 @@ def paged_varlen(q: torch.Tensor, layer_kv: torch.Tensor, kv_blocks: torch.Tenso
         part_ml = torch.empty(tokens * heads * splits * 2, dtype=torch.float32, device=q.device)
     else:  # not written; float32 all the same, so every call runs the one compiled kernel
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
-    _attend[(tiles, kv_heads, splits)](
-        out, part_acc, part_ml, q, k, v, kv_blocks, cu_q, cu_k, seqused_k, scaling * 1.4426950408889634,
-        splits, runs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, FIND_RUN=not decodes, num_warps=warps, num_stages=stages)
+    steps = [Launch(_attend, (tiles, kv_heads, splits),
+                    (out, part_acc, part_ml, q, k, v, kv_blocks, cu_q, cu_k, seqused_k, scaling * 1.4426950408889634,
+                     splits, runs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1),
+                     k.stride(2)),
+                    dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                         BLOCK_N=block_n, FIND_RUN=not decodes, num_warps=warps, num_stages=stages))]
     if splits > 1:
-        _merge[(tokens, heads)](out, part_acc, part_ml, splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
-    return out
+        steps.append(Launch(_merge, (tokens, heads), (out, part_acc, part_ml, splits, out.stride(0), out.stride(1)),
+                            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+                                 num_warps=4)))
+    return out, steps
 
 
 def decode_splits(runs: int, kv_heads: int, max_k: int, multiprocessors: int) -> int:
