@@ -133,6 +133,8 @@ ROWS = (
         for stat in ("mean", "p50", "p90", "p99")
     ],
     ("client CPU us/request", lambda s: f"{s['client_cpu_us_per_request']:.0f}", None),
+    # Near 100%, the one client process (not the server) may be what limits the run.
+    ("client CPU, share of a core", lambda s: f"{s['client_cpu_share']:.0%}", None),
     ("API servers CPU us/request", lambda s: _us(s.get("api_servers_cpu_us_per_request")),
      "api_servers_cpu_us_per_request"),
     ("errors by status", lambda s: json.dumps(s["errors_by_status"]) if s["errors_by_status"] else "-", None),
