@@ -1,7 +1,8 @@
 """Compile enginecore.paged_triton's kernels for a GPU without one: every launch paged_varlen makes (each decode tile,
 steps with prompt tokens, the split merge) for the heads of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B, through
 Triton's compiler and its bundled ptxas, for Hopper (sm_90, the H200) and Ampere (sm_80). Prints one JSON line per
-kernel: its shared memory, registers and spilled bytes (ptxas -v). tests/test_paged_triton_build.py runs it in a
+kernel: its shared memory, registers and spilled bytes (ptxas -v), and the sizes of its asynchronous copies to
+shared memory (how it loads K and V). tests/test_paged_triton_build.py runs it in a
 process of its own (the test session runs Triton's interpreter, whose kernels cannot be compiled).
 
 Each launch is compiled as Triton's JIT would specialize it: the launch's own arguments, built by paged_varlen's
@@ -90,8 +91,12 @@ def resources(kernel, arch: str) -> dict:
         ptx_arch = re.search(r"^\.target (\w+)", kernel.asm["ptx"], re.M).group(1)  # sm_90a on Hopper
         report = subprocess.run([PTXAS, f"-arch={ptx_arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
                                 text=True, check=True).stderr
+    # The sizes of its asynchronous copies from global to shared memory: how K and V are loaded (16 bytes:
+    # vectorized and pipelined; none: loaded through registers, as Triton does when it cannot prove alignment).
+    copies = re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", kernel.asm["ptx"])
     return {"shared": kernel.metadata.shared, "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
-            "spilled": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
+            "spilled": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+            "async_copy_bytes": sorted({int(size, 0) for size in copies})}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """enginecore.paged_triton's kernels compile for the GPUs the engine serves on, checked here without one: every
 launch paged_varlen makes, for three models' heads, through Triton's compiler and ptxas for Hopper (sm_90) and
-Ampere (sm_80), within the shared memory of a block there and without spilling registers
+Ampere (sm_80), within the shared memory of a block there, without spilling registers, and loading K and V in
+vectorized asynchronous copies
 (tests/paged_triton_build.py, in a process of its own: this session runs Triton's interpreter, which checks what
 the kernels compute but not that they compile)."""
 import json
@@ -31,3 +32,6 @@ def test_every_launch_compiles_for_hopper_and_ampere_without_spilling(tmp_path):
     for row in rows:
         assert row["shared"] <= SHARED_LIMIT[row["arch"]], row
         assert row["spilled"] == 0, row
+        if row["kernel"] != "split merge":  # K and V come in vectorized asynchronous copies, pipelined (16 bytes,
+            # or 8 where a tile's layout splits rows finer: the 128-key tile on 64-wide heads)
+            assert 16 in row["async_copy_bytes"] and min(row["async_copy_bytes"]) >= 8, row
