@@ -19,7 +19,7 @@ function: one that returns None would still make transformers inspect the positi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -94,7 +94,7 @@ class _Current:
     process; the model runner sets them)."""
 
     step: StepAttention | None = None
-    kv_cache = None  # enginecore.kv_cache.KVCache
+    kv_cache: Any = None  # enginecore.kv_cache.KVCache
     kernels = VarlenKernels()
 
 
@@ -115,7 +115,7 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     kv_heads = key.shape[1]
     group = heads // kv_heads
     if step.varlen is not None:
-        return _varlen(layer, query, step.varlen, scaling), None
+        return attend_stored(layer, query[0].transpose(0, 1), scaling).unsqueeze(0), None
     if not step.prefills:  # all decodes: one batched op, no copy into a separate output
         return _decode(layer, query[0], step, kv_heads, group, scaling).unsqueeze(0), None
 
@@ -136,11 +136,15 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     return out.unsqueeze(0), None
 
 
-def _varlen(layer: int, query: torch.Tensor, step: VarlenAttention, scaling) -> torch.Tensor:
-    """Causal attention aligned to the end of each sequence's context (bottom right): right for a decode, a
-    fresh prompt and a chunk after cached tokens alike."""
+def attend_stored(layer: int, q: torch.Tensor, scaling) -> torch.Tensor:
+    """A varlen step's attention, the step's K/V already in the cache: q [tokens, heads, d] -> [tokens, heads, d].
+    Causal, aligned to the end of each sequence's context (bottom right): right for a decode, a fresh prompt and a
+    chunk after cached tokens alike. The lean forward calls it directly where it wrote K/V itself
+    (enginecore.rope_triton)."""
+    assert current.step is not None and current.step.varlen is not None and current.kv_cache is not None
+    step = current.step.varlen
     kernel = current.kernels.decodes if step.max_q == 1 else current.kernels.mixed
-    return kernel(query[0].transpose(0, 1), current.kv_cache.layers[layer], step, scaling).unsqueeze(0)
+    return kernel(q, current.kv_cache.layers[layer], step, scaling)
 
 
 def _gather_blocks(layer_kv: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,6 +83,25 @@ def choose(shapes: Shapes, backend: str, max_num_seqs: int) -> VarlenKernels | N
                        "steps with prompt tokens"))
 
 
+def plan_rope_store(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                    head_dim: int) -> Callable | None:
+    """enginecore.rope_triton.rope_store where it gives exactly the torch ops' results here (the lean forward then
+    rotates q and k and writes K/V in one kernel a layer); None elsewhere (the CPU, float32, no Triton)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from enginecore import rope_triton
+    except Exception as exc:  # no Triton
+        why_not: str | None = f"{type(exc).__name__}: {exc}"
+    else:
+        why_not = rope_triton.rope_store_fails(device, dtype, heads, kv_heads, head_dim)
+    if why_not is not None:
+        log.info("RoPE and the K/V cache write: torch's ops (the Triton kernel does not run here: %s)", why_not)
+        return None
+    log.info("RoPE and the K/V cache write: one Triton kernel a layer")
+    return rope_triton.rope_store
+
+
 def _paged_tiles(shapes: Shapes) -> dict[str, VarlenKernel]:
     """The paged kernel with each of its other decode tiles that passes the reference check (named by tile)."""
     from enginecore import paged_triton

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from enginecore import model_facts
+from enginecore import attention_plan, model_facts
 from enginecore.block_pool import KVBlockPool
 from enginecore.cpu_setup import prepare_cpu_model, resolve_quantization
 from enginecore.cpu_threads import ThreadGovernor, set_cpu_threads
@@ -107,6 +107,9 @@ class EngineCore(EngineBase):
 
         self.runner = ModelRunner(loaded.model, self.device, config.block_size, lean_model=lean_model,
                                   attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs)
+        if lean_model is not None and self.runner.varlen:  # CUDA, half precision
+            lean_model.rope_store = attention_plan.plan_rope_store(self.device, loaded.dtype, lean_model.heads,
+                                                                   lean_model.kv_heads, lean_model.head_dim)
         shape = KVShape.of(loaded.hf_config)
         num_blocks = self._num_kv_blocks(shape, max_len)
         # A sequence must fit in the whole pool, else it could never run (and never finish).

@@ -64,6 +64,12 @@ def device_lean_model(model: torch.nn.Module) -> LeanLlama | None:
     return LeanLlama(model, TorchLinear)
 
 
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """q and k heads [T, heads, d] rotated: transformers' x * cos + rotate_half(x) * sin, where sin_signed has its
+    first half negated so that rotate_half(x) * sin is x rolled by half a head times it (no concatenation)."""
+    return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+
+
 @torch.no_grad()
 def _fused(make_linear: LinearFactory, modules: list[torch.nn.Linear]) -> LinearKernel:
     """One product for several Linears of the same input: their weights stacked. Where the kernel keeps the
@@ -105,6 +111,9 @@ class LeanLlama:
         self.scaling = base.layers[0].self_attn.scaling
         self.layers = [self._layer(i, layer, make_linear) for i, layer in enumerate(base.layers)]
         self.head = (make_head or make_linear)(model.lm_head.weight)
+        # enginecore.rope_triton.rope_store where the engine found it exact here (CUDA): RoPE and the K/V cache
+        # write in one kernel, for steps that attend in one varlen call.
+        self.rope_store: Callable | None = None
 
     @staticmethod
     def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:
@@ -155,13 +164,18 @@ class LeanLlama:
         tokens = h.shape[0]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qkv = layer.qkv(torch.rms_norm(h, (h.shape[1],), layer.input_norm, self.eps))
-        qk = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed  # RoPE on every q and k head at once
-        v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
-        # paged_attention takes transformers' [1, heads, T, d] views and returns [1, T, heads, d].
-        out, _ = attention.paged_attention(layer, qk[:, :heads].transpose(0, 1)[None],
-                                           qk[:, heads:].transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           scaling=self.scaling)
+        step, cache = attention.current.step, attention.current.kv_cache
+        if self.rope_store is not None and step is not None and step.varlen is not None and cache is not None:
+            k_slots, v_slots = cache.slots[layer.layer_idx]
+            q = self.rope_store(qkv, cos, sin_signed, step.slot_mapping, k_slots, v_slots, heads, kv_heads)
+            out = attention.attend_stored(layer.layer_idx, q, self.scaling)
+        else:
+            qk = rope(qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d), cos, sin_signed)
+            v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+            # paged_attention takes transformers' [1, heads, T, d] views and returns [1, T, heads, d].
+            out, _ = attention.paged_attention(layer, qk[:, :heads].transpose(0, 1)[None],
+                                               qk[:, heads:].transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                               scaling=self.scaling)
         h = layer.o(out.reshape(tokens, heads * d), residual=h)
         gate_up = layer.gate_up(torch.rms_norm(h, (h.shape[1],), layer.post_norm, self.eps))
         act = F.silu(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])

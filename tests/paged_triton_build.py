@@ -1,5 +1,5 @@
-"""Compile enginecore.paged_triton's kernels for a GPU without one: every launch paged_varlen makes (each decode tile,
-steps with prompt tokens, the split merge) for the heads of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B, through
+"""Compile the engine's Triton kernels for a GPU without one: every launch paged_varlen makes (each decode tile,
+steps with prompt tokens, the split merge) and rope_triton's, for the heads of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B, through
 Triton's compiler and its bundled ptxas, for Hopper (sm_90, the H200) and Ampere (sm_80). Prints one JSON line per
 kernel: its shared memory, registers and spilled bytes (ptxas -v), and the sizes of its asynchronous copies to
 shared memory (how it loads K and V). tests/test_paged_triton_build.py runs it in a
@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from enginecore import paged_triton  # noqa: E402
+from enginecore import paged_triton, rope_triton  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
@@ -57,6 +57,12 @@ def steps(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     assert len(split) == 2, "a long lone decode splits"
     yield "split merge", split[1]
     yield "prompt chunk", made([(1, 100), (512, 1024)], 1024, paged_triton.DECODE_TILES[0])[0]
+    tokens = 256
+    qkv = torch.zeros(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    rope_tables = torch.zeros(tokens, 1, head_dim, dtype=dtype)
+    slots = layer_kv[0].flatten(0, 1)
+    yield "rope + cache write", rope_triton.rope_launch(qkv, rope_tables, rope_tables, torch.zeros(tokens, dtype=torch.int64),
+                                                        slots, layer_kv[1].flatten(0, 1), heads, kv_heads)[1]
 
 
 def compile_launch(launch: paged_triton.Launch, target: GPUTarget):
