@@ -32,6 +32,7 @@ import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy bef
 import torch  # noqa: E402
 from enginecore.block_pool import hash_block  # noqa: E402
 from enginecore import attention_plan  # noqa: E402
+from enginecore.attention_plan import rope_note  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc import codec  # noqa: E402
@@ -255,7 +256,7 @@ def main() -> None:
           + (f", CUDA graphs {'off' if args.enforce_eager else 'on'} (steps with prompt tokens: up to "
              f"{args.cuda_graph_max_tokens} tokens)" if loaded.device.type == "cuda" else "")
           + f", async scheduling {'on' if core.async_scheduling else 'off'}, attention: "
-          + attention_plan.describe(getattr(core.runner, "eager", core.runner).kernels))
+          + attention_plan.describe(getattr(core.runner, "eager", core.runner).kernels) + rope_note(core))
     print(f"{'workload':<22}{'system':<26}{'out tokens':>11}{'seconds':>10}{'out tok/s':>12}{'ratio':>8}")
     rows = (("batch", f"{args.num_prompts} requests"), ("closed", f"{args.closed_loop} requests, loop"),
             ("single", "1 request"))

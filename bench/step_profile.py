@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
 from enginecore import attention_plan  # noqa: E402
+from enginecore.attention_plan import rope_note  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.sampler import SampledTokens  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
@@ -188,7 +189,8 @@ def main() -> None:
     print(f"model {core.loaded.model_dir} ({'tiny ' if args.tiny else ''}{core.quantization}) on {core.device}, "
           f"{args.num_seqs} sequences decoding, {steps} steps, async scheduling "
           f"{'on' if core.async_scheduling else 'off'}, attention: "
-          f"{attention_plan.describe(getattr(core.runner, 'eager', core.runner).kernels)}")
+          f"{attention_plan.describe(getattr(core.runner, 'eager', core.runner).kernels)}"
+          f"{rope_note(core)}")
     print(f"step: {per_step:.3f} ms wall, {tokens / wall:.0f} tokens/s, "
           f"{wall / max(tokens, 1) * 1e6:.2f} us per token")
     print(f"{'phase':<30}{'ms/step':>10}{'share':>8}{'us/seq':>9}")

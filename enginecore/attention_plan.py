@@ -125,6 +125,12 @@ def describe(kernels: VarlenKernels | None) -> str:
     return decodes if decodes == mixed else f"{decodes} for decode-only steps, {mixed} for steps with prompt tokens"
 
 
+def rope_note(core) -> str:
+    """", RoPE + K/V write fused" where an engine core's lean forward runs enginecore.rope_triton (benchmarks)."""
+    runner = getattr(core.runner, "eager", core.runner)
+    return ", RoPE + K/V write fused" if getattr(runner.lean_model, "rope_store", None) is not None else ""
+
+
 def _name(kernel: VarlenKernel) -> str:
     tile = getattr(kernel, "decode_tile", None)
     if tile is None:

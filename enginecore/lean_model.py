@@ -11,7 +11,9 @@ ops a layer:
 
 - q, k and v in one product (their weights concatenated), gate and up in one, the residual adds inside the
   o and down products (addmm), RoPE on q and k together in four ops, one rms_norm op per norm;
-- attention through the engine's paged attention (enginecore.attention), unchanged;
+- attention through the engine's paged attention (enginecore.attention), unchanged; on CUDA, where a step attends
+  in one varlen call and the Triton kernel checks out exact, RoPE and the K/V cache write are one kernel
+  (enginecore.rope_triton, `rope_store`) instead of the four RoPE ops and attention's two cache copies;
 - the final norm and the LM head only on the rows whose logits are wanted.
 
 Where a product keeps its concatenated weight as it is (torch's own product: always on CUDA, row-major float32 on
