@@ -23,7 +23,9 @@ def rope_triton():
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16), (6, 2, 48)],
                          ids=["smollm2", "llama8b", "mha", "head-dim-48"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+# float32 only through the interpreter: on a GPU Triton may fuse its product and sum into one FMA (the engine uses
+# the kernel in half precision only); bfloat16 only compiled: the interpreter computes it wrongly (NaN).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16])
 def test_same_values_as_the_torch_ops(rope_triton, heads, kv_heads, head_dim, dtype):
     """rope_store_fails compares q and both caches bit for bit on a step in random slots (and, on a GPU, replayed
     from a CUDA graph)."""

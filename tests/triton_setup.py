@@ -5,8 +5,8 @@ library, tl.max and the like, is decorated then), so conftest imports this modul
 Triton 3.6's interpreter gets two things wrong, one worked around and one avoided:
 - a loop bound computed in the kernel (`range(lo, hi, step)` over tensors) goes through int() on a one-element
   array, which numpy 2.4 refuses: patched to read the element;
-- tl.dot on bfloat16 gives garbage (a plain bfloat16 copy is right): the CPU tests run float32 and float16. The
-  start-up probe (enginecore.attention_plan.kernel_fails) checks bfloat16 on the GPU itself.
+- bfloat16 arithmetic is wrong there (tl.dot gives garbage, sums NaN; a plain bfloat16 copy is right): the CPU
+  tests run float32 and float16. The start-up checks (enginecore.attention_plan) check bfloat16 on the GPU itself.
 """
 from __future__ import annotations
 
