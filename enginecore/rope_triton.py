@@ -22,7 +22,7 @@ from enginecore.paged_triton import Launch
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _rope_store(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                stride_qkv, stride_rope, stride_q, stride_slot,
+                stride_qkv, stride_cos, stride_sin, stride_q, stride_slot,
                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
@@ -33,8 +33,8 @@ def _rope_store(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_cache_ptr, v_cach
     x = tl.load(row + dims[None, :], mask=ok, other=0.0)
     # x rolled by half a head (dims + half, modulo the head: the same as rolling back by half)
     rolled = tl.load(row + ((dims + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=ok, other=0.0)
-    cos = tl.load(cos_ptr + token * stride_rope + dims, mask=dims < HEAD_DIM, other=0.0)
-    sin = tl.load(sin_ptr + token * stride_rope + dims, mask=dims < HEAD_DIM, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_cos + dims, mask=dims < HEAD_DIM, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_sin + dims, mask=dims < HEAD_DIM, other=0.0)
     dtype = x.dtype
     a = (x * cos[None, :]).to(dtype)  # rounded as the lean forward's own product is
     b = (rolled * sin[None, :]).to(dtype)
@@ -63,10 +63,13 @@ def rope_launch(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, 
                 k_slots: torch.Tensor, v_slots: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, Launch]:
     """rope_store's output tensor and its launch (tests compile it for GPUs as it is launched)."""
     tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    if qkv.stride(1) != 1 or cos.stride(-1) != 1 or sin_signed.stride(-1) != 1 or k_slots.stride()[1:] != (
+            head_dim, 1) or v_slots.stride() != k_slots.stride():
+        raise ValueError("rope_store needs rows of q/k/v, tables and cache slots laid out contiguously")
     q = qkv.new_empty(tokens, heads, head_dim)
     return q, Launch(_rope_store, (tokens,),
-                     (qkv, cos, sin_signed, slots, q, k_slots, v_slots, qkv.stride(0), cos.stride(0), q.stride(0),
-                      k_slots.stride(0)),
+                     (qkv, cos, sin_signed, slots, q, k_slots, v_slots, qkv.stride(0), cos.stride(0),
+                      sin_signed.stride(0), q.stride(0), k_slots.stride(0)),
                      dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                           BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads),
                           BLOCK_D=triton.next_power_of_2(head_dim)))
