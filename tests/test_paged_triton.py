@@ -4,7 +4,6 @@ prompt chunks after cached context, fresh prompts, CUDA graphs' padded rows, con
 what varlen_reference computes over the gathered context; and the engine's steps through it make the tokens the
 SDPA paths make. tests/test_attention.py runs its step cases through it too; tests/test_engine_cuda.py runs it on a
 GPU."""
-import os
 import random
 
 import pytest
@@ -12,11 +11,11 @@ import torch
 
 from enginecore import attention, attention_plan
 from enginecore.engine_base import BadEngineSetting
+from tests.tiny_engine import greedy_tokens
 from tests.triton_setup import DEVICE, HAVE_TRITON
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="no Triton (the test extra installs it)")
 CPU = torch.device("cpu")
-TINY = os.path.join(os.path.dirname(__file__), "models", "tiny-llama")
 # float32 on a GPU multiplies in TF32 (Triton's default for tl.dot), the interpreter in float32.
 FLOAT32 = 1e-5 if DEVICE.type == "cpu" else 5e-3
 
@@ -135,33 +134,16 @@ def test_engine_steps_through_it_make_the_sdpa_tokens(paged_triton):
     decodes) attend through the paged kernel for both kinds of step, and make the tokens the SDPA paths make."""
     if DEVICE.type == "cuda":
         pytest.skip("on a GPU, tests/test_engine_cuda.py runs the engine through it")
-    from enginecore.engine import EngineCore
-    from enginecore.loader import load_model
-    from ipc.config import ServeConfig
-    from ipc.messages import EngineRequest
-    from ipc.sampling import SamplingParams
-
-    loaded = load_model(TINY, "cpu", "float32", load_format="dummy")
-    config = ServeConfig(model=TINY, device="cpu", dtype="float32", load_format="dummy", max_num_batched_tokens=48,
-                         max_num_seqs=8, kv_cache_memory=16 * 2**20)
     rng = random.Random(0)
     prompts = [[rng.randrange(2048) for _ in range(n)] for n in (5, 30, 70, 17)]
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    calls = []
 
-    def run(kernels):
-        engine = EngineCore(config, loaded=loaded)
-        if kernels is not None:
-            engine.runner.kernels, engine.runner.varlen = kernels, True
-        calls = []
-        if kernels is not None:
-            counted = lambda q, *rest: calls.append(q.shape[0]) or paged_triton.paged(q, *rest)  # noqa: E731
-            engine.runner.kernels = attention.VarlenKernels(decodes=counted, mixed=counted)
-        out = engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)])
-        return out, calls
+    def paged(engine):
+        counted = lambda q, *rest: calls.append(q.shape[0]) or paged_triton.paged(q, *rest)  # noqa: E731
+        engine.runner.kernels = attention.VarlenKernels(decodes=counted, mixed=counted)
+        engine.runner.varlen = True
 
-    want, _ = run(None)
-    got, calls = run(attention.VarlenKernels())
-    assert got == want
+    assert greedy_tokens(prompts, 12, paged) == greedy_tokens(prompts, 12)
     assert any(n > 1 for n in calls) and any(n == len(prompts) for n in calls)  # chunks and decode-only steps
 
 

@@ -1,17 +1,16 @@
 """enginecore.rope_triton: RoPE and the K/V cache write in one Triton kernel (compiled on a CUDA GPU, else through
 Triton's interpreter, tests/triton_setup.py). It must give exactly what the lean forward's torch ops and attention's
 cache write give, and the engine's steps through it must make the same tokens."""
-import os
 import random
 
 import pytest
 import torch
 
 from enginecore import attention, attention_plan
+from tests.tiny_engine import greedy_tokens
 from tests.triton_setup import DEVICE, HAVE_TRITON
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="no Triton (the test extra installs it)")
-TINY = os.path.join(os.path.dirname(__file__), "models", "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -61,37 +60,20 @@ def test_engine_steps_through_it_make_the_sdpa_tokens(rope_triton):
     write fused, the engine's steps (chunked prompts beside decodes, then decodes) make the SDPA paths' tokens."""
     if DEVICE.type == "cuda":
         pytest.skip("on a GPU, tests/test_engine_cuda.py runs the engine through it")
-    from enginecore.engine import EngineCore
-    from enginecore.loader import load_model
     from enginecore.paged_triton import paged
-    from ipc.config import ServeConfig
-    from ipc.messages import EngineRequest
-    from ipc.sampling import SamplingParams
 
-    loaded = load_model(TINY, "cpu", "float32", load_format="dummy")
-    config = ServeConfig(model=TINY, device="cpu", dtype="float32", load_format="dummy", max_num_batched_tokens=48,
-                         max_num_seqs=8, kv_cache_memory=16 * 2**20)
     rng = random.Random(3)
     prompts = [[rng.randrange(2048) for _ in range(n)] for n in (9, 40, 3, 66)]
-    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls = []
 
-    def run(fused: bool):
-        engine = EngineCore(config, loaded=loaded)
-        calls = []
-        if fused:
-            engine.runner.kernels, engine.runner.varlen = attention.VarlenKernels(decodes=paged, mixed=paged), True
+    def fused(engine):
+        engine.runner.kernels, engine.runner.varlen = attention.VarlenKernels(decodes=paged, mixed=paged), True
 
-            def counted(qkv, *rest):
-                calls.append(qkv.shape[0])
-                return rope_triton.rope_store(qkv, *rest)
+        def counted(qkv, *rest):
+            calls.append(qkv.shape[0])
+            return rope_triton.rope_store(qkv, *rest)
 
-            engine.runner.lean_model.rope_store = counted
-        try:
-            return engine.generate([EngineRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)]), calls
-        finally:
-            engine.runner.lean_model.rope_store = None  # the loaded model is shared by both runs
+        engine.runner.lean_model.rope_store = counted
 
-    want, _ = run(False)
-    got, calls = run(True)
-    assert got == want
+    assert greedy_tokens(prompts, 10, fused) == greedy_tokens(prompts, 10)
     assert any(n > 1 for n in calls) and any(n == len(prompts) for n in calls)  # chunks and decode-only steps
