@@ -9,8 +9,8 @@ graph's static buffers; the step is padded to its bucket. Two kinds:
   compute garbage that nobody samples and write their K/V into the cache's scratch block. Every batch size is
   captured at start-up for the shortest contexts.
 - steps with prompt tokens (a closed loop of clients makes nearly every step one: new requests' prefills join the
-  running decodes), where flash varlen attention runs (CUDA, half precision) and the lean forward does: the layers
-  only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM head run
+  running decodes), where varlen attention runs (CUDA, half precision, either kernel) and the lean forward does:
+  the layers only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM head run
   eagerly on the rows the step samples, whatever their number. At most --cuda-graph-max-tokens tokens: beyond,
   the products dominate and launches do not matter. At most MAX_MIXED_GRAPHS such graphs, all writing their
   output into one buffer. Without this, such a step launched some 500 kernels from
@@ -102,7 +102,7 @@ class CudaGraphRunner:
     def __init__(self, eager: ModelRunner, max_num_seqs: int, max_model_len: int, max_graph_tokens: int = 0,
                  capture: Capture | None = None):
         """max_graph_tokens: the most tokens of a step with prompt tokens that a graph holds (0: such steps run
-        eagerly); it applies only where flash varlen attention and the lean forward run."""
+        eagerly); it applies only where varlen attention (either kernel) and the lean forward run."""
         self.eager = eager
         self.device = eager.device
         self.block_size = eager.block_size

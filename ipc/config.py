@@ -35,7 +35,8 @@ class ServeConfig:
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     # CUDA: a step with prompt tokens replays a CUDA graph of its layers when it has at most this many tokens in
-    # all (0: only decode-only steps replay graphs). Where flash varlen attention and the lean forward run.
+    # all (0: only decode-only steps replay graphs). Where varlen attention (either kernel) and the lean forward
+    # run.
     cuda_graph_max_tokens: int = 1024
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
     # CUDA, half precision: the kernel of a step's attention: auto (each kind of step the faster of the two at

@@ -128,7 +128,7 @@ def _positive(click_context, param, value):
               type=click.IntRange(0),
               help="CUDA: a step with prompt tokens (new requests' prefills beside running decodes) replays a CUDA "
                    "graph of its layers when it has at most this many tokens; 0: only decode-only steps do. Needs "
-                   "flash varlen attention (half precision) and a Llama-architecture model.")
+                   "varlen attention (CUDA, half precision; see --attention-backend) and a Llama-architecture model.")
 @click.option("--attention-backend", default=_DEFAULTS.attention_backend, show_default=True,
               type=click.Choice(["auto", "flash", "triton"]),
               help="CUDA in half precision: the attention kernel. flash: every context's K/V gathered from the "
