@@ -10,8 +10,8 @@ graph's static buffers; the step is padded to its bucket. Two kinds:
   captured at start-up for the shortest contexts.
 - steps with prompt tokens (a closed loop of clients makes nearly every step one: new requests' prefills join the
   running decodes), where varlen attention runs (CUDA, half precision, either kernel) and the lean forward does:
-  the layers only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM head run
-  eagerly on the rows the step samples, whatever their number. At most --cuda-graph-max-tokens tokens: beyond,
+  the layers only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM
+  head run eagerly on the rows the step samples, whatever their number. At most --cuda-graph-max-tokens tokens: beyond,
   the products dominate and launches do not matter. At most MAX_MIXED_GRAPHS such graphs, all writing their
   output into one buffer. Without this, such a step launched some 500 kernels from
   Python one by one (SmolLM2-135M), longer than the GPU took to run them.
