@@ -123,9 +123,9 @@ main() {
 'transformers', transformers.__version__)"
   step stage-tokenizer 60 "$PYTHON" bench/stage_embedded_model.py "$MODEL_DIR" "$SITE"
   # The CUDA tests: greedy tokens equal transformers' with and without CUDA graphs, either attention kernel; the
-  # paged Triton kernel compiled (skipped with --cpu).
+  # paged attention and the fused RoPE kernels compiled (skipped with --cpu).
   [ "$CPU" = 1 ] || step gpu-tests 130 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
-tests/test_engine_cuda.py tests/test_paged_triton.py | tee '$OUT/gpu-tests.txt'"
+tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py | tee '$OUT/gpu-tests.txt'"
   # One layer's attention by each kernel (gather + flash, paged Triton) on each shape's heads.
   step attention 60 bash -c "set -o pipefail; '$PYTHON' bench/attention.py $ATTENTION_ARGS \
 --result-json '$OUT/attention.json' | tee '$OUT/attention.txt'"
