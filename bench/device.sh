@@ -134,8 +134,9 @@ tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py |
   # front end alone, then the 1B.
   # shellcheck disable=SC2086
   engine_step engine "$MODEL_DIR" 100 $ENGINE_ARGS $CLOSED_LOOP_ARGS
-  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle; asynchronous scheduling on and off.
-  profile_step profile "$MODEL_DIR" on
+  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle (with async scheduling, also the 15
+  # costliest GPU operations: what the fused RoPE and the paged kernel left); asynchronous scheduling on and off.
+  profile_step profile "$MODEL_DIR" on --kernels 15
   profile_step profile-sync "$MODEL_DIR" off
   # With a py-spy profile of its API server: where the one-server gap goes (the table at the end of serve's output).
   serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
