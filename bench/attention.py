@@ -5,7 +5,8 @@ cache blocks where they lie), on each model shape's heads, for decode-only steps
 Each row: microseconds a layer by each kernel (the paged kernel with its default decode tile, and on decode rows its
 fastest tile, as the engine's start-up choice would take it), the paged kernel's speed-up (its best), and the
 bandwidth at which it reads the step's K/V (the bytes it must read, over its time) as a share of the GPU's
-(--bandwidth-tbps). The targets: paged at
+(--bandwidth-tbps). After them, per shape, a layer's RoPE and K/V cache write for 256 tokens: the lean forward's
+torch ops against enginecore.rope_triton's one kernel. The targets: paged at
 least as fast as gather + flash on every decode row (steps with prompt tokens are shown, not targeted: the engine
 times both kernels at start-up and keeps flash where it wins), and >= 50% of the bandwidth on the decode rows of
 256 sequences (the rows an engine at full load runs); the verdict lines say whether each holds.
@@ -60,7 +61,7 @@ def main() -> None:
     from enginecore import paged_triton
 
     print(f"{'shape':14} {'step':34} {'flash us':>9} {'paged us':>9} {'best tile us':>13} {'speed-up':>8} "
-          f"{'paged TB/s':>10} {'of peak':>7}  best decode tile")
+          f"{'paged TB/s':>10} {'of peak':>7}  best tile")
     for name in args.shapes:
         heads, kv_heads, head_dim = _heads(SHAPES[name])
         kernels = {}
@@ -79,10 +80,12 @@ def main() -> None:
             row = {"shape": name, "step": step, "flash_us": _us(times.get("flash")), "paged_us": _us(times.get("triton")),
                    "kv_bytes": kv_bytes}
             if "triton" in times:
-                tiles = {paged_triton.DECODE_TILES[0]: times["triton"]}
-                if case.step.max_q == 1:
+                if case.step.max_q == 1:  # the decode tiles, as the engine's start-up choice tries them
+                    tiles = {paged_triton.DECODE_TILES[0]: times["triton"]}
                     tiles.update({tile: _time(paged_triton.paged_with(tile), case)
                                   for tile in paged_triton.DECODE_TILES[1:]})
+                else:  # steps with prompt tokens have one tile
+                    tiles = {paged_triton.MIXED_TILE: times["triton"]}
                 best = min(tiles, key=lambda tile: tiles[tile])
                 row["best_tile"], row["best_tile_us"] = paged_triton.tile_name(best), tiles[best] * 1e6
                 row["paged_tbps"] = kv_bytes / tiles[best] / 1e12
@@ -95,9 +98,50 @@ def main() -> None:
                   f"{_cell(row.get('paged_tbps'), 10, '.2f')} {_cell(row.get('of_peak'), 7, '.0%')}  "
                   f"{row.get('best_tile', '-')}")
     _verdict(rows)
+    rope_rows = [_rope_row(name, *_heads(SHAPES[name]), device, dtype) for name in args.shapes]
+    print(f"\n{'shape':14} {'RoPE + K/V write, 256 tokens':34} {'torch us':>9} {'fused us':>9} {'speed-up':>8}")
+    for row in rope_rows:
+        print(f"{row['shape']:14} {'':34} {_cell(row.get('torch_us'), 9, '.1f')} {_cell(row.get('fused_us'), 9, '.1f')} "
+              f"{_cell(row.get('speedup'), 8, '.2f')}  {row.get('error', '')}")
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"attention": rows, "rope": rope_rows}, f, indent=1)
+
+
+def _rope_row(shape: str, heads: int, kv_heads: int, head_dim: int, device, dtype) -> dict:
+    """A layer's RoPE and K/V cache write for 256 tokens: the lean forward's torch ops (four for RoPE, two cache
+    copies) against enginecore.rope_triton's one kernel."""
+    import torch
+
+    from enginecore import rope_triton
+
+    why_not = rope_triton.rope_store_fails(device, dtype, heads, kv_heads, head_dim)
+    if why_not is not None:
+        return {"shape": shape, "error": f"the fused kernel does not run here: {why_not}"}
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = 256
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype, generator=g)
+    cos = torch.randn(tokens, 1, head_dim, device=device, dtype=dtype, generator=g)
+    sin = torch.randn(tokens, 1, head_dim, device=device, dtype=dtype, generator=g)
+    slots = torch.randperm(4 * tokens, device=device, generator=g)[:tokens]
+    k, v = (torch.zeros(4 * tokens, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    args = (qkv, cos, sin, slots, k, v, heads, kv_heads)
+    times = {name: _time_call(lambda fn=fn: fn(*args), device)
+             for name, fn in (("torch", rope_triton.reference), ("fused", rope_triton.rope_store))}
+    return {"shape": shape, "torch_us": times["torch"] * 1e6, "fused_us": times["fused"] * 1e6,
+            "speedup": times["torch"] / times["fused"]}
+
+
+def _time_call(call, device) -> float:
+    """Seconds a call: CUDA graph replays on the GPU (attention_plan.time_calls), the wall clock on the CPU."""
+    from enginecore import attention_plan
+
+    if device.type == "cuda":
+        return attention_plan.time_calls(call, device) / 1e3
+    call()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def _heads(model_dir: str) -> tuple[int, int, int]:
@@ -108,15 +152,8 @@ def _heads(model_dir: str) -> tuple[int, int, int]:
 
 
 def _time(kernel, case) -> float:
-    """Seconds a call: CUDA events on the GPU, the wall clock on the CPU (the interpreter: not a measurement)."""
-    from enginecore import attention_plan
-
-    if case.q.device.type == "cuda":
-        return attention_plan.time_kernel(kernel, case) / 1e3
-    kernel(case.q, case.layer_kv, case.step, case.scaling)
-    start = time.perf_counter()
-    kernel(case.q, case.layer_kv, case.step, case.scaling)
-    return time.perf_counter() - start
+    """Seconds a call of an attention kernel on `case` (_time_call)."""
+    return _time_call(lambda: kernel(case.q, case.layer_kv, case.step, case.scaling), case.q.device)
 
 
 def _us(seconds: float | None) -> float | None:

@@ -171,11 +171,12 @@ def tokenizing_rows(path: str) -> list[tuple[str, str, str]]:
 
 def attention_rows(path: str) -> list[tuple[str, str, str]]:
     """bench/attention.py's decode rows of 256 sequences per shape: paged Triton (its fastest decode tile) against
-    gather + flash."""
+    gather + flash; and its RoPE rows: the torch ops against the fused kernel."""
     if not os.path.isfile(path):
         return []
     rows = []
-    for row in json.load(open(path)):
+    results = json.load(open(path))
+    for row in results["attention"]:
         if not row["step"].startswith("decode 256"):
             continue
         figure = f"attention {row['shape']}, {row['step']}: us a layer"
@@ -184,6 +185,9 @@ def attention_rows(path: str) -> list[tuple[str, str, str]]:
         if "of_peak" in row:
             rows.append((f"attention {row['shape']}, {row['step']}: paged KV read", f"{row['of_peak']:.0%} of peak",
                          ">= 50%"))
+    for row in results["rope"]:
+        value = f"{row['torch_us']:.1f} -> {row['fused_us']:.1f}" if "fused_us" in row else "no fused kernel"
+        rows.append((f"RoPE + K/V write {row['shape']}, 256 tokens: us a layer", value, "fused <= torch"))
     return rows
 
 

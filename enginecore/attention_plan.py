@@ -245,15 +245,20 @@ def _fastest(kernels: dict[str, VarlenKernel], case: Callable[[], Case], kind: s
 
 
 def time_kernel(kernel: VarlenKernel, case: Case) -> float:
+    """Milliseconds a call of `kernel` on `case` on the GPU (time_calls)."""
+    return time_calls(lambda: kernel(case.q, case.layer_kv, case.step, case.scaling), case.q.device)
+
+
+def time_calls(call: Callable[[], object], device: torch.device) -> float:
     """Milliseconds a call on the GPU: TIMED_RUNS calls captured in a CUDA graph, one replay timed with CUDA
     events, as the engine's graphs run them (eager calls would time the host's launches instead for small steps;
     where the capture fails, they are what is timed). Warmed up first: Triton compiles on its first call."""
     def calls() -> None:
         for _ in range(TIMED_RUNS):
-            kernel(case.q, case.layer_kv, case.step, case.scaling)
+            call()
 
     calls()
-    torch.cuda.synchronize(case.q.device)
+    torch.cuda.synchronize(device)
     runs = calls
     try:
         graph = torch.cuda.CUDAGraph()
@@ -261,7 +266,7 @@ def time_kernel(kernel: VarlenKernel, case: Case) -> float:
             calls()
         runs = graph.replay
     except Exception:  # a kernel this build cannot capture: time it eagerly
-        torch.cuda.synchronize(case.q.device)
+        torch.cuda.synchronize(device)
     runs()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
