@@ -187,7 +187,7 @@ def attention_rows(path: str) -> list[tuple[str, str, str]]:
                          ">= 50%"))
     for row in results["rope"]:
         value = f"{row['torch_us']:.1f} -> {row['fused_us']:.1f}" if "fused_us" in row else "no fused kernel"
-        rows.append((f"RoPE + K/V write {row['shape']}, 256 tokens: us a layer", value, "fused <= torch"))
+        rows.append((f"RoPE + K/V write {row['shape']}: us a layer", value, "fused <= torch"))
     return rows
 
 
