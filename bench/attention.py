@@ -113,9 +113,9 @@ def _rope_row(shape: str, heads: int, kv_heads: int, head_dim: int, device, dtyp
     copies) against enginecore.rope_triton's one kernel."""
     import torch
 
-    from enginecore import rope_triton
+    from enginecore import attention_plan, rope_triton
 
-    why_not = rope_triton.rope_store_fails(device, dtype, heads, kv_heads, head_dim)
+    why_not = attention_plan.rope_store_fails(device, dtype, heads, kv_heads, head_dim)
     if why_not is not None:
         return {"shape": shape, "error": f"the fused kernel does not run here: {why_not}"}
     g = torch.Generator(device=device).manual_seed(0)

@@ -92,9 +92,9 @@ def plan_rope_store(device: torch.device, dtype: torch.dtype, heads: int, kv_hea
     try:
         from enginecore import rope_triton
     except Exception as exc:  # no Triton
-        why_not: str | None = f"{type(exc).__name__}: {exc}"
+        why_not: str | None = _failure(exc)
     else:
-        why_not = rope_triton.rope_store_fails(device, dtype, heads, kv_heads, head_dim)
+        why_not = rope_store_fails(device, dtype, heads, kv_heads, head_dim)
     if why_not is not None:
         log.info("RoPE and the K/V cache write: torch's ops (the Triton kernel does not run here: %s)", why_not)
         return None
@@ -147,7 +147,7 @@ def kernel_named(name: str) -> tuple[VarlenKernel | None, str | None]:
     try:
         from enginecore.paged_triton import paged
     except Exception as exc:  # no Triton, or one that cannot build for this GPU
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, _failure(exc)
     return paged, None
 
 
@@ -167,23 +167,65 @@ def kernel_fails(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype,
                 if not error < 2e-2:  # bfloat16 lands near 4e-3
                     return f"{error:.2g} off the reference on contexts {[c for _, c in runs]}"
     except Exception as exc:  # no kernel in this build, for these shapes, or no seqused_k (older torch)
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        return f"{type(exc).__name__}: {first_line[:160]}"
+        return _failure(exc)
     return None
 
 
 def _outputs(kernel: VarlenKernel, case: Case) -> list[torch.Tensor]:
     """The kernel's output on `case` called, and on CUDA also replayed from a graph that captured it."""
     call = lambda: kernel(case.q, case.layer_kv, case.step, case.scaling)  # noqa: E731
-    outputs = [call()]
-    if case.q.device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
-        captured.fill_(float("nan"))  # what the replay must overwrite
-        graph.replay()
-        outputs.append(captured)
-    return outputs
+    return [call()] + ([_replayed(call)] if case.q.device.type == "cuda" else [])
+
+
+def _replayed(call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """call's output as a CUDA graph that captured it computes it: poisoned after the capture, then replayed."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    out.fill_(float("nan"))  # what the replay must overwrite
+    graph.replay()
+    return out
+
+
+def _failure(exc: Exception) -> str:
+    """An exception as one short line for the log (Triton's and torch's messages run to many lines)."""
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first_line[:160]}"
+
+
+def rope_store_fails(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                     head_dim: int) -> str | None:
+    """Why enginecore.rope_triton.rope_store does not give exactly what the torch ops give here (None: it does), on
+    a step of 37 tokens in random slots; on CUDA also replayed from a CUDA graph that captured it."""
+    try:
+        from enginecore.rope_triton import reference, rope_store
+
+        g = torch.Generator(device=device).manual_seed(0)
+        tokens, slots_in_cache = 37, 200
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype, generator=g)
+        angles = torch.rand(tokens, 1, head_dim, device=device, generator=g) * 6.3
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        sin_signed = torch.cat([-sin[..., :head_dim // 2], sin[..., head_dim // 2:]], dim=-1)
+        slots = torch.randperm(slots_in_cache, device=device, generator=g)[:tokens]
+        k_cache, v_cache = (torch.randn(slots_in_cache, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+                            for _ in range(2))
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want = reference(qkv, cos, sin_signed, slots, want_k, want_v, heads, kv_heads)
+
+        def differs(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> str | None:
+            for what, got, expected in (("q", q, want), ("k", k_slots, want_k), ("v", v_slots, want_v)):
+                if not torch.equal(got, expected):
+                    return f"its {what} differs from the torch ops' by up to {(got - expected).abs().max().item():.3g}"
+            return None
+
+        k, v = k_cache.clone(), v_cache.clone()
+        why = differs(rope_store(qkv, cos, sin_signed, slots, k, v, heads, kv_heads), k, v)
+        if why is None and device.type == "cuda":
+            k, v = k_cache.clone(), v_cache.clone()
+            why = differs(_replayed(lambda: rope_store(qkv, cos, sin_signed, slots, k, v, heads, kv_heads)), k, v)
+        return why
+    except Exception as exc:  # no Triton kernel for this GPU or these shapes
+        return _failure(exc)
 
 
 def decode_case(device, dtype, heads: int, kv_heads: int, head_dim: int, runs: int) -> Case:

@@ -8,7 +8,7 @@ per token reads the token's q/k/v row once, rotates q and k, writes q for attent
 cache slot.
 
 Exactly the lean forward's values: each product is rounded to the model's dtype before the sum, as the separate
-ops round them, so the outputs are bit for bit the same (rope_store_fails checks that at start-up).
+ops round them, so the outputs are bit for bit the same (attention_plan.rope_store_fails checks that at start-up).
 """
 from __future__ import annotations
 
@@ -83,42 +83,3 @@ def reference(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, sl
     k_slots.index_copy_(0, slots, qk[:, heads:])
     v_slots.index_copy_(0, slots, qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim))
     return qk[:, :heads]
-
-
-def rope_store_fails(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                     head_dim: int) -> str | None:
-    """Why rope_store does not give exactly what the torch ops give here (None: it does), on a step of 37 tokens
-    in random slots; on CUDA also replayed from a CUDA graph that captured it."""
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        tokens, slots_in_cache = 37, 200
-        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype, generator=g)
-        angles = torch.rand(tokens, 1, head_dim, device=device, generator=g) * 6.3
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        sin_signed = torch.cat([-sin[..., :head_dim // 2], sin[..., head_dim // 2:]], dim=-1)
-        slots = torch.randperm(slots_in_cache, device=device, generator=g)[:tokens]
-        k_cache, v_cache = (torch.randn(slots_in_cache, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-                            for _ in range(2))
-        want_k, want_v = k_cache.clone(), v_cache.clone()
-        want = reference(qkv, cos, sin_signed, slots, want_k, want_v, heads, kv_heads)
-
-        def differs(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> str | None:
-            for what, got, expected in (("q", q, want), ("k", k_slots, want_k), ("v", v_slots, want_v)):
-                if not torch.equal(got, expected):
-                    return f"its {what} differs from the torch ops' by up to {(got - expected).abs().max().item():.3g}"
-            return None
-
-        k, v = k_cache.clone(), v_cache.clone()
-        why = differs(rope_store(qkv, cos, sin_signed, slots, k, v, heads, kv_heads), k, v)
-        if why is None and device.type == "cuda":
-            k, v = k_cache.clone(), v_cache.clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                q = rope_store(qkv, cos, sin_signed, slots, k, v, heads, kv_heads)
-            q.fill_(float("nan"))  # what the replay must overwrite
-            graph.replay()
-            why = differs(q, k, v)
-        return why
-    except Exception as exc:  # no Triton kernel for this GPU or these shapes
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        return f"{type(exc).__name__}: {first_line[:160]}"

@@ -26,9 +26,9 @@ def rope_triton():
 # the kernel in half precision only); bfloat16 only compiled: the interpreter computes it wrongly (NaN).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16])
 def test_same_values_as_the_torch_ops(rope_triton, heads, kv_heads, head_dim, dtype):
-    """rope_store_fails compares q and both caches bit for bit on a step in random slots (and, on a GPU, replayed
-    from a CUDA graph)."""
-    assert rope_triton.rope_store_fails(DEVICE, dtype, heads, kv_heads, head_dim) is None
+    """attention_plan.rope_store_fails compares q and both caches bit for bit on a step in random slots (and, on a
+    GPU, replayed from a CUDA graph)."""
+    assert attention_plan.rope_store_fails(DEVICE, dtype, heads, kv_heads, head_dim) is None
 
 
 def test_only_the_steps_slots_change_and_a_wrong_rotation_is_seen(rope_triton, monkeypatch):
@@ -48,7 +48,7 @@ def test_only_the_steps_slots_change_and_a_wrong_rotation_is_seen(rope_triton, m
     assert q.shape == (tokens, heads, d)
     # The check sees a rotation the other way (sin's sign flipped).
     monkeypatch.setattr(rope_triton, "rope", lambda qk, cos, sin_signed: qk * cos - qk.roll(qk.shape[-1] // 2, -1) * sin_signed)
-    assert "its q differs" in rope_triton.rope_store_fails(DEVICE, torch.float32, 8, 2, 32)
+    assert "its q differs" in attention_plan.rope_store_fails(DEVICE, torch.float32, 8, 2, 32)
 
 
 def test_the_plan_keeps_torchs_ops_on_the_cpu():
