@@ -25,6 +25,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apiserver.errors import ApiError, RequestTimeout, ShuttingDown, error_body
+from apiserver.write_batch import BatchedTransport, WriteBatch
 
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
 # resumes, the client gets its full timeout give or take this much.
@@ -38,6 +39,7 @@ class ConnectionPolicy:
     timeout_keep_alive: float
     timeout_request_header: float
     refusing: bool = False
+    write_batch: WriteBatch | None = None  # this loop's batch of writes (apiserver/write_batch.py); None: direct
 
 
 def _fixed_response(error: ApiError, reason: bytes) -> bytes:
@@ -77,6 +79,8 @@ class HttpConnection(HttpToolsProtocol):
     # Connection.
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self._policy.write_batch is not None:
+            self.transport = BatchedTransport(transport, self._policy.write_batch)
         self._made_at = self.loop.time()
         self._timer = self.loop.call_later(self._policy.timeout_keep_alive, self._check_timeouts)
 

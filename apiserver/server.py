@@ -1,8 +1,9 @@
 """uvicorn around the app, on the group's already-listening socket, and the loop's heartbeat.
 
 `build_http_server` is the one place that decides which uvicorn Server runs: our connection protocol
-(uvicorn's httptools protocol with read timeouts, apiserver/http_connection.py) behind the group's balanced
-accept loop (apiserver/accept_loop.py). Everything else is uvicorn's: its lifespan, its graceful shutdown.
+(uvicorn's httptools protocol with read timeouts, apiserver/http_connection.py, writing through the loop's
+batch of writes, apiserver/write_batch.py) behind the group's balanced accept loop (apiserver/accept_loop.py).
+Everything else is uvicorn's: its lifespan, its graceful shutdown.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import uvicorn
 
 from apiserver.accept_loop import BalancedAcceptor
 from apiserver.http_connection import ConnectionPolicy, HttpConnection
+from apiserver.write_batch import WriteBatch
 from ipc.config import ServeConfig
 from ipc.shared_state import GroupState
 
@@ -86,7 +88,9 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int) -
         timeout_graceful_shutdown=config.shutdown_timeout,
         timeout_keep_alive=config.timeout_keep_alive,  # uvicorn's own timer, after each response
     )
-    policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header)
+    # Called on the serving loop: the batch queues its flushes there.
+    batch = WriteBatch(asyncio.get_running_loop()) if config.write_batching else None
+    policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
 
 

@@ -14,6 +14,7 @@ say whether the simulated engine or the client ran out of CPU before the API ser
     .venv/bin/python bench/frontend.py                      # 1, 2, 4, 8 API servers, as many as there are cores
     .venv/bin/python bench/frontend.py --servers 1 8 --result-json f.json --plot f.png
     .venv/bin/python bench/frontend.py --servers 1 --vllm-url http://127.0.0.1:8100 --vllm-pid 12345
+    .venv/bin/python bench/frontend.py --servers 1 --variant=--no-write-batching   # the same, side by side
 
 `--vllm-url/--vllm-pid` runs the requests and paced phases against another server (its own engine paces the
 streams) and charges the CPU of that one process (its API server), side by side.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", type=int, nargs="+", default=None,
                    help="API server counts to sweep (default: 1, 2, 4, 8 up to the core count; 1 with --grpc)")
     p.add_argument("--grpc", action="store_true", help="also measure gRPC API servers (supervise --grpc)")
+    p.add_argument("--variant", action="append", default=[], metavar="ARGS",
+                   help="also measure the HTTP servers started with these extra supervise options, right after "
+                        "each count's default run (repeatable), e.g. --variant=--no-write-batching")
     p.add_argument("--grpc-servers", type=int, nargs="+", default=[1, 8],
                    help="gRPC API server counts to measure with --grpc (default: 1 8)")
     p.add_argument("--sim-ms", type=float, default=1.0, help="the simulated engine's step interval")
@@ -167,8 +172,9 @@ def row_from_phases(label: str, count: int, phases: dict, rss: dict[str, float],
     }
 
 
-def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = False) -> dict:
-    """The saturating phases on a fast simulated engine, the paced one on a slow one: two group starts."""
+def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = False, variant: str = "") -> dict:
+    """The saturating phases on a fast simulated engine, the paced one on a slow one: two group starts.
+    `variant`: extra supervise options (shlex), named in the row's label."""
     from supervise_launcher import start_supervise
 
     phases, rss, torch = {}, {}, {}
@@ -177,7 +183,8 @@ def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = Fals
         model = f"sim:{sim_ms:g}"
         # --max-num-seqs: the simulated engine runs at most that many sequences per step; here every stream at once.
         server = start_supervise(["--model", model, "--api-server-count", str(count),
-                                  "--data-parallel-size", str(args.engines), "--max-num-seqs", "65536"],
+                                  "--data-parallel-size", str(args.engines), "--max-num-seqs", "65536",
+                                  *shlex.split(variant)],
                                  args.server_timeout, grpc=grpc)
         try:
             group = titled_children(server.pid)
@@ -197,7 +204,8 @@ def measure_ours(clients: ClosedLoopClients, count: int, args, grpc: bool = Fals
                 torch[k] = v or torch.get(k, False)
         finally:
             server.stop()
-    return row_from_phases(f"supervise{' --grpc' if grpc else ''} x{count}", count, phases, rss, torch)
+    label = f"supervise{' --grpc' if grpc else ''}{' ' + variant if variant else ''} x{count}"
+    return row_from_phases(label, count, phases, rss, torch)
 
 
 def measure_other(clients: ClosedLoopClients, args) -> dict:
@@ -272,6 +280,9 @@ def main(argv=None) -> int:
         for count in args.servers:
             print(f"measuring {count} API server(s) ...", flush=True)
             rows.append(measure_ours(clients, count, args))
+            for variant in args.variant:
+                print(f"measuring {count} API server(s) with {variant} ...", flush=True)
+                rows.append(measure_ours(clients, count, args, variant=variant))
         for count in args.grpc_servers if args.grpc else ():
             print(f"measuring {count} gRPC API server(s) ...", flush=True)
             rows.append(measure_ours(grpc_clients, count, args, grpc=True))

@@ -1,0 +1,253 @@
+"""Socket writes batched per event-loop pass (apiserver/write_batch.py, --write-batching).
+
+First the batch itself on uvloop with real loopback TCP connections: when a write reaches the kernel, what
+order it keeps, what a close flushes, the bound on connections per batch. Then the real group: many
+concurrent streams, pipelined requests on one connection, and the same answers with --no-write-batching.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import subprocess
+import threading
+
+import httpx
+import pytest
+import uvloop
+
+from apiserver.write_batch import MAX_CONNECTIONS, BatchedTransport, WriteBatch
+from tests.supervise_process import SUPERVISE, Supervise
+
+
+# --- the batch on uvloop, over real loopback connections ---------------------------------------------------------
+
+async def _connections(count: int):
+    """`count` loopback TCP connections: (the server side's transport, the client side's non-blocking socket)."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Queue = asyncio.Queue()
+
+    class Server(asyncio.Protocol):
+        def connection_made(self, transport):
+            accepted.put_nowait(transport)
+
+    server = await loop.create_server(Server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pairs = []
+    for _ in range(count):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.setblocking(False)
+        pairs.append((await accepted.get(), client))
+    server.close()
+    return pairs
+
+
+def _arrived(client: socket.socket) -> bytes:
+    """What the kernel holds for `client` now (b"" if nothing): loopback delivers within the sender's write()."""
+    try:
+        return client.recv(1 << 20)
+    except BlockingIOError:
+        return b""
+
+
+def _on_uvloop(test):
+    def run():
+        uvloop.run(test())
+    return run
+
+
+@_on_uvloop
+async def test_writes_wait_for_the_end_of_the_pass_then_go_out_together():
+    pairs = await _connections(3)
+    batch = WriteBatch(asyncio.get_running_loop())
+    for i, (transport, _) in enumerate(pairs):
+        BatchedTransport(transport, batch).write(b"event %d" % i)
+    assert [_arrived(client) for _, client in pairs] == [b"", b"", b""]  # still this pass
+    await asyncio.sleep(0)  # the flush was queued before this task's wake-up: it ran first
+    assert [_arrived(client) for _, client in pairs] == [b"event 0", b"event 1", b"event 2"]
+    for transport, client in pairs:
+        transport.close()
+        client.close()
+
+
+@_on_uvloop
+async def test_a_connections_writes_keep_their_order_and_go_out_in_one_write():
+    ((transport, client),) = await _connections(1)
+    writes = []
+
+    class Counting:  # the real transport, with its writes counted
+        def write(self, data):
+            writes.append(data)
+            transport.write(data)
+
+        def is_closing(self):
+            return transport.is_closing()
+
+    batch = WriteBatch(asyncio.get_running_loop())
+    batched = BatchedTransport(Counting(), batch)  # type: ignore[arg-type]
+    batched.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    batched.write(b"")  # nothing to send: no write
+    batched.writelines([b"body ", b"one"])
+    batched.write(b", two")
+    await asyncio.sleep(0)
+    assert writes == [b"HTTP/1.1 200 OK\r\n\r\nbody one, two"]
+    assert _arrived(client) == b"HTTP/1.1 200 OK\r\n\r\nbody one, two"
+    transport.close()
+    client.close()
+
+
+@_on_uvloop
+async def test_close_sends_what_is_pending_first():
+    ((transport, client),) = await _connections(1)
+    batched = BatchedTransport(transport, WriteBatch(asyncio.get_running_loop()))
+    batched.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n")
+    batched.close()
+    await asyncio.sleep(0.05)
+    client.setblocking(True)
+    client.settimeout(5)
+    received = b""
+    while chunk := client.recv(4096):  # until EOF
+        received += chunk
+    assert received == b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n"
+    assert transport.is_closing()
+    client.close()
+
+
+@_on_uvloop
+async def test_a_pass_with_more_connections_than_the_bound_flushes_at_the_bound():
+    pairs = await _connections(MAX_CONNECTIONS + 2)
+    batch = WriteBatch(asyncio.get_running_loop())
+    for transport, _ in pairs:
+        BatchedTransport(transport, batch).write(b"x")
+    arrived = [_arrived(client) for _, client in pairs]
+    assert arrived == [b"x"] * MAX_CONNECTIONS + [b"", b""]  # the first MAX_CONNECTIONS did not wait for the pass
+    await asyncio.sleep(0)
+    assert [_arrived(client) for _, client in pairs[MAX_CONNECTIONS:]] == [b"x", b"x"]
+    for transport, client in pairs:
+        transport.close()
+        client.close()
+
+
+@_on_uvloop
+async def test_a_connection_closed_meanwhile_is_skipped_and_the_others_still_written():
+    (first, second) = await _connections(2)
+    batch = WriteBatch(asyncio.get_running_loop())
+    BatchedTransport(first[0], batch).write(b"lost")
+    BatchedTransport(second[0], batch).write(b"kept")
+    first[0].abort()  # gone before the flush (a client reset): its protocol hears of it, not the batch
+    await asyncio.sleep(0.05)
+    assert _arrived(second[1]) == b"kept"
+    second[0].close()
+    for _, client in (first, second):
+        client.close()
+
+
+# --- the real group --------------------------------------------------------------------------------------------
+
+MAX_TOKENS = 24
+
+
+def _body(stream: bool) -> dict:
+    return {"model": "sim:5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+def _raw_request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(data), data))
+
+
+def _whole_text(server: Supervise) -> str:
+    r = httpx.post(f"{server.base_url}/chat/completions", json=_body(False), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+async def _streams(server: Supervise, count: int) -> list[tuple[str, int, list[str]]]:
+    """`count` streams at once: each one's text, completion tokens (usage) and raw `data:` lines."""
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def one():
+            lines = []
+            async with client.stream("POST", f"{server.base_url}/chat/completions", json=_body(True)) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line:
+                        lines.append(line)
+            text, tokens = "", None
+            for line in lines[:-1]:
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+            return text, tokens, lines
+        return await asyncio.gather(*(one() for _ in range(count)))
+
+
+@pytest.fixture(scope="module", params=["batched", "direct"])
+def group(request):
+    extra = ["--no-write-batching"] if request.param == "direct" else []
+    with Supervise("--model", "sim:5", "--max-num-seqs", "512", *extra) as server:
+        yield server
+
+
+def test_more_concurrent_streams_than_a_batch_holds_each_get_every_token_then_done(group):
+    expected = _whole_text(group)
+    assert expected
+    count = MAX_CONNECTIONS + 72
+    results = asyncio.run(_streams(group, count))
+    for text, tokens, lines in results:
+        assert lines[-1] == "data: [DONE]"
+        assert tokens == MAX_TOKENS
+        assert text == expected  # every piece, in order: the sim engine's text depends only on the position
+
+
+def test_pipelined_requests_on_one_connection_are_answered_whole_and_in_order(group):
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
+    requests = b"".join(_raw_request({**_body(False), "max_tokens": max_tokens}) for max_tokens in (1, 2, 3))
+    requests += b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(requests)  # all four before reading a byte
+        received = b""
+        while chunk := sock.recv(65536):  # until the server closes after the last (connection: close)
+            received += chunk
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 4, received
+    for max_tokens, answer in zip((1, 2, 3), answers):
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"200")
+        assert json.loads(body)["usage"]["completion_tokens"] == max_tokens
+    assert answers[3].startswith(b"200") and b'"object":"list"' in answers[3]
+
+
+def test_a_client_that_leaves_mid_stream_while_others_read_harms_nobody(group):
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
+    request = _raw_request({**_body(True), "max_tokens": 2000})
+    leavers = []
+    for _ in range(20):
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(request)
+        leavers.append(sock)
+    done = threading.Event()
+    results: list = []
+    reader = threading.Thread(target=lambda: (results.extend(asyncio.run(_streams(group, 40))), done.set()))
+    reader.start()
+    for sock in leavers:  # while events are being written to them: a reset, then nobody
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    reader.join(60)
+    assert done.is_set()
+    expected = _whole_text(group)
+    assert all(text == expected and lines[-1] == "data: [DONE]" for text, _, lines in results)
+    assert httpx.get(f"{group.url}/health", timeout=5).status_code == 200
+
+
+def test_no_write_batching_is_refused_with_grpc():
+    result = subprocess.run([SUPERVISE, "--grpc", "--no-write-batching", "--port", "0"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--write-batching applies to the HTTP API" in result.stderr
