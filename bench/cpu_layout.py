@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
-from enginecore.cpu_linear import Bf16Linear, Float32Linear, Int8Linear, OneDnnFloat32Linear, native_bf16  # noqa: E402
+from enginecore.cpu_linear import (Bf16Linear, Float32Linear, Int8Linear, OneDnnFloat32Linear,  # noqa: E402
+                                   bf16_unavailable_reason, int8_unavailable_reason, native_bf16)
 from enginecore.cpu_setup import auto_choice, float32_layout, product_shapes  # noqa: E402
 from enginecore.cpu_threads import set_cpu_threads  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
@@ -87,7 +88,11 @@ def bandwidth_and_ceilings(model: torch.nn.Module) -> None:
 
 def _kernels(weight: torch.Tensor, rows: int, slow: bool) -> dict:
     kernels = {"f32 row": Float32Linear(weight, False), "f32 col": Float32Linear(weight, True),
-               "f32 onednn": OneDnnFloat32Linear(weight), "bf16": Bf16Linear(weight), "int8 W8A8": Int8Linear(weight)}
+               "f32 onednn": OneDnnFloat32Linear(weight)}
+    if bf16_unavailable_reason() is None:
+        kernels["bf16"] = Bf16Linear(weight)
+    if int8_unavailable_reason() is None:  # where it runs but is wrong, its time means nothing
+        kernels["int8 W8A8"] = Int8Linear(weight)
     if slow or rows == 1:
         scale = weight.abs().amax(1) / 127
         q = (weight / scale[:, None]).round().to(torch.int8)
@@ -117,12 +122,17 @@ def products(model: torch.nn.Module, batch_sizes: list[int], slow: bool) -> None
 
 
 def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) -> None:
+    unavailable = {"bf16": bf16_unavailable_reason(), "int8": int8_unavailable_reason()}
+    for mode, reason in unavailable.items():
+        if reason:
+            print(f"(no {mode} path: {reason})")
+    modes = ["none"] + [mode for mode, reason in unavailable.items() if reason is None]
     cores = {q: EngineCore(ServeConfig(device="cpu", dtype="float32", quantization=q, max_num_seqs=64,
                                        max_model_len=256, enable_prefix_caching=False), loaded=loaded)
-             for q in ("none", "bf16", "int8")}
+             for q in modes}
     lean = cores["none"].runner.lean_model
-    paths = {"transformers f32": ("none", None), "lean f32": ("none", lean), "lean bf16": ("bf16", None),
-             "lean int8": ("int8", None)}
+    paths = {"transformers f32": ("none", None), "lean f32": ("none", lean)}
+    paths.update({f"lean {q}": (q, None) for q in modes if q != "none"})
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     print(f"\nengine decode, out tok/s (prompts of 32 tokens + {output_len} out, median of {rounds} interleaved "

@@ -18,6 +18,7 @@ A `LinearKernel` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -137,14 +138,37 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def int8_available() -> bool:
-    """Whether this torch build has oneDNN's quantized linear (x86 builds do)."""
+@functools.cache
+def bf16_unavailable_reason() -> str | None:
+    """Why `Bf16Linear` cannot run here, or None: oneDNN's bfloat16 products need AVX-512 (BW, VL, DQ),
+    AVX-NE-CONVERT or AMX, and refuse an AVX2-only CPU (an AMD EPYC Zen 3, for one)."""
     try:
-        w = torch.ones(4, 8)
-        y = Int8Linear(w)(torch.ones(2, 8))
-        return bool(torch.allclose(y, torch.full((2, 4), 8.0), rtol=0.02))
+        y = Bf16Linear(torch.ones(4, 8))(torch.ones(2, 8))
+    except (RuntimeError, AttributeError) as exc:
+        return f"oneDNN has no bfloat16 products on this CPU ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if not torch.allclose(y, torch.full((2, 4), 8.0)):
+        return "oneDNN's bfloat16 products are wrong on this CPU"
+    return None
+
+
+@functools.cache
+def int8_unavailable_reason() -> str | None:
+    """Why `Int8Linear` cannot run here, or None. A product of ones checks the result too: without VNNI
+    (AVX-512 VNNI or AVX-VNNI) oneDNN's AVX2 int8 kernels add pairs of uint8 x int8 products in 16 bits, which
+    saturate for activations near 255, so their products come out wrong."""
+    try:
+        y = Int8Linear(torch.ones(4, 8))(torch.ones(2, 8))
     except (RuntimeError, AttributeError):
-        return False
+        return "this torch build has no oneDNN quantized linear"
+    if not torch.allclose(y, torch.full((2, 4), 8.0), rtol=0.02):
+        vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags()
+        return (f"oneDNN's int8 products are wrong on this CPU ({'with ' + ', '.join(sorted(vnni)) if vnni else 'no VNNI'}: "
+                f"a product of ones gave {y[0, 0].item():g}, not 8)")
+    return None
+
+
+def int8_available() -> bool:
+    return int8_unavailable_reason() is None
 
 
 def time_kernels(factories: dict, shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32), repeat: int = 3) -> dict:

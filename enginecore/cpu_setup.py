@@ -19,8 +19,8 @@ import weakref
 
 import torch
 
-from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, int8_available, native_bf16,
-                                   pick_float32_layout, time_kernels)
+from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, bf16_unavailable_reason, int8_available,
+                                   int8_unavailable_reason, native_bf16, pick_float32_layout, time_kernels)
 from enginecore.lean_model import LeanLlama, unsupported_reason
 from enginecore.cpu_weights import store_linear_weights_column_major
 from enginecore.engine_base import BadEngineSetting
@@ -77,8 +77,9 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
         if why_not:
             raise BadEngineSetting(f"--quantization {quantization} on the CPU needs a Llama-architecture model: "
                                    f"{why_not}")
-        if quantization == "int8" and not int8_available():
-            raise BadEngineSetting("--quantization int8: this torch build has no oneDNN quantized linear")
+        unavailable = {"int8": int8_unavailable_reason, "bf16": bf16_unavailable_reason}[quantization]()
+        if unavailable:
+            raise BadEngineSetting(f"--quantization {quantization}: {unavailable}; use --quantization none")
     if dtype != torch.float32:
         log.info("CPU: transformers' forward in %s (the lean forward and its kernel choice are float32)", dtype)
         return None

@@ -1,12 +1,26 @@
-"""--quantization on the CPU: what a user gives up against float32 on a fixed prompt set, and the default."""
+"""--quantization on the CPU: what a user gives up against float32 on a fixed prompt set, the default, and the
+refusal of a mode this CPU cannot run (oneDNN's bf16 kernels need AVX-512 or AMX; its int8 ones are wrong
+without VNNI: an AMD EPYC Zen 3 has neither)."""
+import subprocess
+
 import pytest
 import torch
-from enginecore.cpu_linear import FLOAT32_LINEARS, Bf16Linear, Int8Linear
+from enginecore.cpu_linear import (FLOAT32_LINEARS, Bf16Linear, Int8Linear, bf16_unavailable_reason,
+                                   int8_unavailable_reason, native_bf16)
 from enginecore.cpu_setup import KERNELS, auto_choice, float32_layout, resolve_quantization
 from enginecore.loader import BadEngineSetting
 
 from tests.agreement import QUESTIONS, agreement, reference
+from tests.supervise_process import SUPERVISE
 from tests.test_engine_support import chat_prompt, make_engine
+
+UNAVAILABLE = {"bf16": bf16_unavailable_reason(), "int8": int8_unavailable_reason()}
+
+
+def runnable(mode: str, *values):
+    """A parameter set that needs `mode` on this CPU: skipped, with the reason, where it cannot run."""
+    return pytest.param(mode, *values, marks=pytest.mark.skipif(
+        UNAVAILABLE[mode] is not None, reason=f"--quantization {mode} cannot run here: {UNAVAILABLE[mode]}"))
 
 # Bounds against float32 (issue 16), for every mode `auto` may choose: the most likely token is float32's
 # greedy token on >= 90% of positions (float32's continuation fed back, so one early difference does not shift
@@ -21,7 +35,7 @@ def float32_reference():
     return reference(make_engine(), [chat_prompt(q) for q in QUESTIONS], max_tokens=32)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", [runnable("bf16"), runnable("int8")])
 def test_quantized_modes_keep_float32_greedy_tokens_and_loglikelihoods(mode, float32_reference):
     a = agreement(float32_reference, make_engine(quantization=mode))
     assert a.positions == 32 * len(QUESTIONS)
@@ -30,7 +44,7 @@ def test_quantized_modes_keep_float32_greedy_tokens_and_loglikelihoods(mode, flo
     assert a.teacher_forced < 1.0 or a.max_prompt_logprob_gap > 0, "the mode changed nothing: is it applied?"
 
 
-@pytest.mark.parametrize("mode, kernel", [("bf16", Bf16Linear), ("int8", Int8Linear)])
+@pytest.mark.parametrize("mode, kernel", [runnable("bf16", Bf16Linear), runnable("int8", Int8Linear)])
 def test_each_mode_multiplies_with_its_kernel(mode, kernel):
     engine = make_engine(quantization=mode)
     lean = engine.runner.lean_model
@@ -49,7 +63,11 @@ def test_auto_chooses_by_measurement_for_the_embedded_gguf_and_float_elsewhere()
     engine = make_engine(quantization="auto")
     model = engine.loaded.model
     chosen, why = auto_choice(model, float32_layout(model))
-    assert engine.quantization == chosen and "ms" in why
+    assert engine.quantization == chosen
+    if native_bf16() or UNAVAILABLE["int8"] is None:  # something to measure against float32
+        assert "ms" in why
+    else:
+        assert (chosen, why) == ("none", "no native bfloat16 and no oneDNN int8 here")
     expected = KERNELS.get(chosen, FLOAT32_LINEARS)
     assert isinstance(engine.runner.lean_model.layers[0].qkv, expected)
     assert isinstance(make_engine().runner.lean_model.layers[0].qkv, FLOAT32_LINEARS)  # the tests' float32 pin
@@ -62,8 +80,8 @@ def test_impossible_quantizations_are_refused(spec, device, dtype):
         resolve_quantization(spec, None, torch.device(device), dtype)
 
 
-@pytest.mark.parametrize("kernel, tolerance", [(Int8Linear, 0.03), (Bf16Linear, 0.02)])
-def test_quantized_product_is_close_to_float32(kernel, tolerance):
+@pytest.mark.parametrize("mode, kernel, tolerance", [runnable("int8", Int8Linear, 0.03), runnable("bf16", Bf16Linear, 0.02)])
+def test_quantized_product_is_close_to_float32(mode, kernel, tolerance):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=gen) * 0.05
     x = torch.randn(5, 64, generator=gen)
@@ -72,3 +90,17 @@ def test_quantized_product_is_close_to_float32(kernel, tolerance):
     got = kernel(w)(x, residual=residual)
     assert (got - exact).abs().max() <= tolerance * (x @ w.T).abs().max()
     assert not torch.equal(got, exact)  # it really is quantized
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_a_mode_this_cpu_cannot_run_is_refused_in_one_line_with_the_reason(mode):
+    if UNAVAILABLE[mode] is None:
+        pytest.skip(f"this CPU runs --quantization {mode}")
+    result = subprocess.run([SUPERVISE, "--quantization", mode, "--port", "0"], capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line.lower()]
+    reason = UNAVAILABLE[mode].split(" (")[0]  # what follows may hold a measured value
+    assert len(errors) == 1 and errors[0].startswith(f"supervise: error: --quantization {mode}: {reason}"), errors
+    assert errors[0].endswith("; use --quantization none")
+    assert "Traceback" not in result.stdout + result.stderr
