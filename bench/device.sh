@@ -10,8 +10,8 @@
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
-#      (the 135M shape with 1, 4 and 8 API servers; the one API server profiled with py-spy, and again with
-#      --no-write-batching);
+#      (the 135M shape with 1, 4 and 8 API servers, the one server again with --no-write-batching, and once more
+#      profiled with py-spy);
 #   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without;
 #   7. bench/attention.py: one layer's attention by each kernel of varlen steps (gather + flash, paged Triton).
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
@@ -139,10 +139,8 @@ tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py |
   # costliest GPU operations: what the fused RoPE and the paged kernel left); asynchronous scheduling on and off.
   profile_step profile "$MODEL_DIR" on --kernels 15
   profile_step profile-sync "$MODEL_DIR" off
-  # With a py-spy profile of its API server: where the one-server gap goes (the table at the end of serve's output).
-  serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
-  # The same with each socket write made at once (no batch per loop pass): what batching gains the one server (the
-  # run above carries py-spy's sampling, about 2% of its CPU, so this one is if anything favoured).
+  serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
+  # The same with each socket write made at once (no batch per loop pass): what batching gains the one server.
   serve_step serve-direct-writes "$MODEL_DIR" 60 "$SUPERVISE_ARGS --no-write-batching" $SERVE_ARGS
   [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
   # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
@@ -153,6 +151,9 @@ tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py |
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
+  # With a py-spy profile of its one API server: where the one-server gap goes (the table at the end of serve's
+  # output). A run of its own: py-spy stops the process to sample it, which costs it CPU the figures above must not carry.
+  serve_step serve-profiled "$MODEL_DIR" 60 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
   # The closed loop again with graphs for decode-only steps only: what the graphs of steps with prompt tokens gain.
   [ "$CPU" = 1 ] || engine_step loop-decode-graphs-only "$MODEL_DIR" 60 $ENGINE_ARGS $CLOSED_LOOP_ARGS \
     --cuda-graph-max-tokens 0 --no-hf --no-single

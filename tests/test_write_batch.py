@@ -246,6 +246,19 @@ def test_a_client_that_leaves_mid_stream_while_others_read_harms_nobody(group):
     assert httpx.get(f"{group.url}/health", timeout=5).status_code == 200
 
 
+def test_a_websocket_upgrade_is_refused_whole_and_the_connection_closed(group):
+    # uvicorn hands the connection's transport (ours: the batching one) to its WebSocket protocol.
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                     b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(4096):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 403 ") and received.endswith(b"\r\n\r\n")
+    assert httpx.get(f"{group.url}/health", timeout=5).status_code == 200
+
+
 def test_no_write_batching_is_refused_with_grpc():
     result = subprocess.run([SUPERVISE, "--grpc", "--no-write-batching", "--port", "0"], capture_output=True,
                             text=True, timeout=60)
