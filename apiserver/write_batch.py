@@ -2,10 +2,11 @@
 
 When an engine step arrives, the loop wakes every stream it touched, one after another: each decodes its
 tokens, formats its SSE event and writes it. A `write()` to a TCP socket runs the kernel's TCP path (on
-loopback the receiver's as well). Made between two streams' Python work, each write finds that path's code
-and data evicted from the CPU's caches by the Python before it, and evicts the Python's in turn. Queued and
-made back to back in one callback after the pass, they cost a paced stream's event a quarter to a third less
-of the API server's CPU on the 2-core AMD EPYC VM (README: "Socket writes batched").
+loopback the receiver's as well). Made between two streams' Python work, the writes cost about twice what
+they cost made back to back (a toy uvloop loop on the 2-core AMD EPYC VM; most likely each finds the kernel's
+code and data evicted from the CPU's caches by the Python before it, and evicts the Python's in turn). Queued
+and made back to back in one callback after the pass, they cost a paced stream's event 8-25% less of the API
+server's CPU, side by side (README: "Streamed tokens: socket writes batched").
 
 The delay is the rest of the pass (the callback is queued behind the handles ready now), never a timer: a
 lone write goes out as soon as its handler returns, and a pass with many connections flushes every

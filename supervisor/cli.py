@@ -160,8 +160,8 @@ def _positive(click_context, param, value):
               type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
 @click.option("--write-batching/--no-write-batching", default=_DEFAULTS.write_batching,
               help="API servers make the socket writes of one event-loop pass together, after its Python work "
-                   "(each streamed token's event a quarter to a third cheaper; a write waits at most for the "
-                   "rest of that pass); --no-write-batching writes each at once. [default: on]")
+                   "(a streamed token's event about a fifth cheaper; a write waits at most for the rest of "
+                   "that pass); --no-write-batching writes each at once. [default: on]")
 @click.option("--timeout-keep-alive", default=_DEFAULTS.timeout_keep_alive, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="Close a connection that brings no request this many seconds (after connecting or after "
