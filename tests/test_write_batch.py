@@ -43,12 +43,20 @@ async def _connections(count: int):
     return pairs
 
 
-def _arrived(client: socket.socket) -> bytes:
-    """What the kernel holds for `client` now (b"" if nothing): loopback delivers within the sender's write()."""
+def _arrived(client: socket.socket, wait: float = 0.0) -> bytes:
+    """What the kernel holds for `client` (b"" if nothing): now, or once something came within `wait` seconds
+    (loopback delivers within the sender's write() as a rule, but a busy kernel may defer it). Blocking here
+    blocks the loop too: no flush can happen meanwhile."""
+    if wait:
+        client.settimeout(wait)
+    else:
+        client.setblocking(False)
     try:
         return client.recv(1 << 20)
-    except BlockingIOError:
+    except (BlockingIOError, TimeoutError):
         return b""
+    finally:
+        client.setblocking(False)
 
 
 def _on_uvloop(test):
@@ -65,7 +73,7 @@ async def test_writes_wait_for_the_end_of_the_pass_then_go_out_together():
         BatchedTransport(transport, batch).write(b"event %d" % i)
     assert [_arrived(client) for _, client in pairs] == [b"", b"", b""]  # still this pass
     await asyncio.sleep(0)  # the flush was queued before this task's wake-up: it ran first
-    assert [_arrived(client) for _, client in pairs] == [b"event 0", b"event 1", b"event 2"]
+    assert [_arrived(client, wait=5) for _, client in pairs] == [b"event 0", b"event 1", b"event 2"]
     for transport, client in pairs:
         transport.close()
         client.close()
@@ -92,7 +100,7 @@ async def test_a_connections_writes_keep_their_order_and_go_out_in_one_write():
     batched.write(b", two")
     await asyncio.sleep(0)
     assert writes == [b"HTTP/1.1 200 OK\r\n\r\nbody one, two"]
-    assert _arrived(client) == b"HTTP/1.1 200 OK\r\n\r\nbody one, two"
+    assert _arrived(client, wait=5) == b"HTTP/1.1 200 OK\r\n\r\nbody one, two"
     transport.close()
     client.close()
 
@@ -120,10 +128,12 @@ async def test_a_pass_with_more_connections_than_the_bound_flushes_at_the_bound(
     batch = WriteBatch(asyncio.get_running_loop())
     for transport, _ in pairs:
         BatchedTransport(transport, batch).write(b"x")
-    arrived = [_arrived(client) for _, client in pairs]
-    assert arrived == [b"x"] * MAX_CONNECTIONS + [b"", b""]  # the first MAX_CONNECTIONS did not wait for the pass
+    # The first MAX_CONNECTIONS did not wait for the pass; the loop cannot run while this reads.
+    arrived = [_arrived(client, wait=5) for _, client in pairs[:MAX_CONNECTIONS]]
+    assert arrived == [b"x"] * MAX_CONNECTIONS
+    assert [_arrived(client) for _, client in pairs[MAX_CONNECTIONS:]] == [b"", b""]
     await asyncio.sleep(0)
-    assert [_arrived(client) for _, client in pairs[MAX_CONNECTIONS:]] == [b"x", b"x"]
+    assert [_arrived(client, wait=5) for _, client in pairs[MAX_CONNECTIONS:]] == [b"x", b"x"]
     for transport, client in pairs:
         transport.close()
         client.close()
@@ -137,7 +147,7 @@ async def test_a_connection_closed_meanwhile_is_skipped_and_the_others_still_wri
     BatchedTransport(second[0], batch).write(b"kept")
     first[0].abort()  # gone before the flush (a client reset): its protocol hears of it, not the batch
     await asyncio.sleep(0.05)
-    assert _arrived(second[1]) == b"kept"
+    assert _arrived(second[1], wait=5) == b"kept"
     second[0].close()
     for _, client in (first, second):
         client.close()
