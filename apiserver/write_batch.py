@@ -46,7 +46,7 @@ class WriteBatch:
             self._loop.call_soon(self.flush)
         elif len(pending) >= MAX_CONNECTIONS:
             self.flush()  # the callback already queued finds what comes after this
-        self._pending[transport] = [data]
+        self._pending[transport] = [data]  # self's: a flush above put a new dict there
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}

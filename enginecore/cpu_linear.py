@@ -138,17 +138,27 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def _product_of_ones(kernel) -> tuple[torch.Tensor | None, str | None]:
+    """[2, 8] ones times a [4, 8] weight of ones (8 everywhere when right) through the LinearKernel class
+    `kernel`, and None; or None and why it raised (where the torch build or the CPU lacks the kernel)."""
+    try:
+        return kernel(torch.ones(4, 8))(torch.ones(2, 8)), None
+    except (RuntimeError, AttributeError) as exc:
+        return None, (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _right(y: torch.Tensor | None, rtol: float = 1e-5) -> bool:
+    return y is not None and bool(torch.allclose(y, torch.full((2, 4), 8.0), rtol=rtol))
+
+
 @functools.cache
 def bf16_unavailable_reason() -> str | None:
     """Why `Bf16Linear` cannot run here, or None: oneDNN's bfloat16 products need AVX-512 (BW, VL, DQ),
     AVX-NE-CONVERT or AMX, and refuse an AVX2-only CPU (an AMD EPYC Zen 3, for one)."""
-    try:
-        y = Bf16Linear(torch.ones(4, 8))(torch.ones(2, 8))
-    except (RuntimeError, AttributeError) as exc:
-        return f"oneDNN has no bfloat16 products on this CPU ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if not torch.allclose(y, torch.full((2, 4), 8.0)):
-        return "oneDNN's bfloat16 products are wrong on this CPU"
-    return None
+    y, error = _product_of_ones(Bf16Linear)
+    if y is None:
+        return f"oneDNN has no bfloat16 products on this CPU ({error})"
+    return None if _right(y) else f"oneDNN's bfloat16 products are wrong on this CPU (ones gave {y[0, 0].item():g}, not 8)"
 
 
 @functools.cache
@@ -156,15 +166,14 @@ def int8_unavailable_reason() -> str | None:
     """Why `Int8Linear` cannot run here, or None. A product of ones checks the result too: without VNNI
     (AVX-512 VNNI or AVX-VNNI) oneDNN's AVX2 int8 kernels add pairs of uint8 x int8 products in 16 bits, which
     saturate for activations near 255, so their products come out wrong."""
-    try:
-        y = Int8Linear(torch.ones(4, 8))(torch.ones(2, 8))
-    except (RuntimeError, AttributeError):
+    y, _ = _product_of_ones(Int8Linear)
+    if y is None:
         return "this torch build has no oneDNN quantized linear"
-    if not torch.allclose(y, torch.full((2, 4), 8.0), rtol=0.02):
-        vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags()
-        return (f"oneDNN's int8 products are wrong on this CPU ({'with ' + ', '.join(sorted(vnni)) if vnni else 'no VNNI'}: "
-                f"a product of ones gave {y[0, 0].item():g}, not 8)")
-    return None
+    if _right(y, rtol=0.02):
+        return None
+    vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags()
+    return (f"oneDNN's int8 products are wrong on this CPU ({'with ' + ', '.join(sorted(vnni)) if vnni else 'no VNNI'}: "
+            f"a product of ones gave {y[0, 0].item():g}, not 8)")
 
 
 def int8_available() -> bool:
@@ -210,8 +219,4 @@ def pick_float32_layout(shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32)) -
 
 def onednn_float32_available() -> bool:
     """Whether this torch build multiplies float32 with oneDNN's packed weights (x86 builds do)."""
-    try:
-        y = OneDnnFloat32Linear(torch.ones(4, 8))(torch.ones(2, 8))
-        return bool(torch.allclose(y, torch.full((2, 4), 8.0)))
-    except (RuntimeError, AttributeError):
-        return False
+    return _right(_product_of_ones(OneDnnFloat32Linear)[0])
