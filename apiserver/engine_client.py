@@ -60,22 +60,35 @@ class RequestAborted(Exception):
 
 
 class RequestStream:
-    """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer."""
+    """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer.
 
-    __slots__ = ("engines", "unfinished", "_items", "_waiter", "_error", "_loop")
+    A consumer may set a `handler`: while it waits in `next_batch` with nothing pending, each output that does
+    not end a sequence goes to `handler(output)` first, on the reader's call stack, and only the outputs it
+    declines (returns False) are queued and wake the consumer. Since the handler runs only while the consumer
+    waits for outputs, everything before has been consumed: the order of what both do holds. A streamed
+    response writes its events so (apiserver/streaming.py), with no task to wake per token."""
+
+    __slots__ = ("engines", "unfinished", "handler", "_items", "_waiter", "_error", "_loop", "_handled_at")
 
     def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop):
         self.engines = engines  # engine request id -> the engine that runs it
         self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
+        self.handler = None  # (output) -> bool, or None
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
         self._loop = loop
+        self._handled_at = 0.0  # loop time of the last output the handler took
 
     def put(self, output) -> None:
-        self._items.append(output)
         if output.finish_reason is not None:
             self.unfinished[output.request_id] -= 1
+        elif self.handler is not None:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done() and self.handler(output):
+                self._handled_at = self._loop.time()
+                return
+        self._items.append(output)
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -88,12 +101,15 @@ class RequestStream:
             waiter.set_result(None)
 
     async def next_batch(self, timeout: float | None = None) -> list:
-        """Every output that arrived since the last call; waits while there is none. [] after `timeout`."""
+        """Every output that arrived since the last call; waits while there is none. [] after `timeout`
+        seconds in which neither an output came nor the handler took one (its keep-alive is silence)."""
+        started = self._loop.time()
+        wait = timeout
         while not self._items:
             if self._error is not None:
                 raise self._error
             self._waiter = self._loop.create_future()
-            timer = self._loop.call_later(timeout, self._wake) if timeout is not None else None
+            timer = self._loop.call_later(wait, self._wake) if wait is not None else None
             try:
                 await self._waiter
             finally:
@@ -101,7 +117,9 @@ class RequestStream:
                 if timer is not None:
                     timer.cancel()
             if timeout is not None and not self._items and self._error is None:
-                return []
+                wait = max(started, self._handled_at) + timeout - self._loop.time()
+                if wait <= 0:
+                    return []
         items, self._items = self._items, []
         return items
 

@@ -102,10 +102,28 @@ class Generation:
             for j in range(n)
         ]
         self._unfinished = len(self.choices)
+        self._stop_strings = any(stop or ())
         self._priority = priority
         self._stream: RequestStream | None = None
         self.arrival = time.monotonic()
         self.first_output_at: float | None = None
+
+    @property
+    def pushable(self) -> bool:
+        """Whether an output that does not end a sequence can never end a choice here either (no stop strings):
+        such outputs may be applied as they arrive, by `push_to`'s handler, and only the engine's ends come
+        back through `next_changes`."""
+        return not self._stop_strings
+
+    def push_to(self, handler) -> None:
+        """While this generation's consumer waits in `next_changes`, its outputs that end no sequence go to
+        `handler(output) -> bool` instead (RequestStream.handler); the ones it declines come back as before."""
+        self._stream.handler = handler
+
+    def fail(self, error: BaseException) -> None:
+        """The consumer's `next_changes` raises `error` (a handler's failure, told where it is handled)."""
+        if self._stream is not None:
+            self._stream.fail(error)
 
     def start(self) -> None:
         self._stream = self._engine.generate(
@@ -128,7 +146,10 @@ class Generation:
     async def next_changes(self, timeout: float | None = None) -> list[Choice]:
         """The choices that changed with the next engine outputs ([] when `timeout` passed without any).
         Raises EngineDeadError, RequestAborted when the client went away, or EngineRequestError."""
-        outputs = await self._stream.next_batch(timeout)
+        return self.apply(await self._stream.next_batch(timeout))
+
+    def apply(self, outputs: list) -> list[Choice]:
+        """The choices these engine outputs changed, updated (what `next_changes` does once they are here)."""
         if self.first_output_at is None and outputs:
             self.first_output_at = time.monotonic()
         choices = self.choices
@@ -207,8 +228,7 @@ class Generation:
 
     def abort(self) -> None:
         """The client went away: whoever waits on the next outputs gets RequestAborted."""
-        if self._stream is not None:
-            self._stream.fail(RequestAborted())
+        self.fail(RequestAborted())
 
     def close(self) -> None:
         if self._stream is not None:

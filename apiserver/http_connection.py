@@ -20,10 +20,12 @@ retries elsewhere at once. Requests already in flight finish.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from apiserver.direct_body import DIRECT_BODY, DirectBody
 from apiserver.errors import ApiError, RequestTimeout, ShuttingDown, error_body
 from apiserver.write_batch import BatchedTransport, WriteBatch
 
@@ -40,6 +42,7 @@ class ConnectionPolicy:
     timeout_request_header: float
     refusing: bool = False
     write_batch: WriteBatch | None = None  # this loop's batch of writes (apiserver/write_batch.py); None: direct
+    direct_body: bool = False  # each request gets its DirectBody (apiserver/direct_body.py) in its scope
 
 
 def _fixed_response(error: ApiError, reason: bytes) -> bytes:
@@ -101,6 +104,9 @@ class HttpConnection(HttpToolsProtocol):
         if self._policy.refusing:
             self.app = shutting_down_app  # this connection closes after the answer
         super().on_headers_complete()
+        cycle = self.cycle
+        if self._policy.direct_body and cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
+            cast(dict, self.scope)[DIRECT_BODY] = DirectBody(cycle, self.flow)  # a key of ours: not in ASGI's type
 
     def on_body(self, body: bytes) -> None:
         self._last_read = self.loop.time()

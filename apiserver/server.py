@@ -90,7 +90,10 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int) -
     )
     # Called on the serving loop: the batch queues its flushes there.
     batch = WriteBatch(asyncio.get_running_loop()) if config.write_batching else None
-    policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch)
+    # A user's middleware may change a body on its way through `send`: the events must take it.
+    direct_body = config.direct_stream_events and not config.middleware
+    policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch,
+                              direct_body=direct_body)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
 
 

@@ -5,6 +5,13 @@ the endpoint's chunk writer, sent as it is, with no per-chunk encoding and no an
 It runs the generation (apiserver/generation_run.py) itself: admission and the engine start happen when it is
 called, so a 503 is raised to the app's exception handlers before any byte. Status 200 goes out next; an error
 after that becomes a `data:` error event, and `data: [DONE]` always ends the stream.
+
+Where the connection offers its body directly (apiserver/direct_body.py, --direct-stream-events), the events
+between the head and the last go straight to it, and while the response waits for outputs, the engine
+client's reader writes their events itself (`push_events`): a streamed token then costs no task wake-up, no
+async generator step and no ASGI send chain. What ends the stream, an error, a keep-alive comment, a client
+that reads slower than we write, and requests with stop strings (their text may end a choice at any token)
+take the response's own path, the same events in the same order.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from typing import AsyncIterator, Protocol
 
 import orjson
 
+from apiserver.direct_body import DIRECT_BODY, DirectBody
 from apiserver.engine_client import RequestAborted
 from apiserver.errors import as_api_error, error_body, is_expected
 from apiserver.generation import Delta, Generation
@@ -49,18 +57,45 @@ class EventStreamResponse:
         self._keep_alive = keep_alive
 
     async def __call__(self, scope, receive, send) -> None:
+        body = scope.get(DIRECT_BODY)  # None: every event through `send`
         with self._run as generation:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            if body is not None and generation.pushable:
+                generation.push_to(push_events(generation, self._writer, body))
             events = stream_events(generation, self._writer, self._include_usage, self._keep_alive)
             try:
                 async for event in events:
                     # The last event ends with [DONE]: it goes out in the same write as the end of the body.
-                    last = event.endswith(DONE)
-                    await send({"type": "http.response.body", "body": event, "more_body": not last})
-                    if last:
+                    if event.endswith(DONE):
+                        await send({"type": "http.response.body", "body": event, "more_body": False})
                         break
+                    if body is not None and body.writable():
+                        body.write(event)
+                    else:
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
             finally:
                 await events.aclose()
+
+
+def push_events(generation: Generation, writer: ChunkWriter, body: DirectBody):
+    """The handler of a waiting response's outputs (Generation.push_to): each output's event, formatted and
+    written on the engine client's reader's call stack. It declines while the body is not writable (the
+    response's task then writes it, after waiting out the client); it never raises into the reader, which
+    serves every other stream too: a failure is raised in the response's task instead, as its error event."""
+
+    def push(output) -> bool:
+        if not body.writable():
+            return False
+        try:
+            event = writer.changes(generation.take(generation.apply([output])))
+        except Exception as exc:
+            generation.fail(exc)
+            return True
+        if event:
+            body.write(event)
+        return True
+
+    return push
 
 
 async def stream_events(

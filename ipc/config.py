@@ -68,6 +68,7 @@ class ServeConfig:
     middleware: tuple[str, ...] = ()  # "module:object" ASGI middleware, outermost first
     timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
     write_batching: bool = True  # an API server makes a loop pass's socket writes together (apiserver.write_batch)
+    direct_stream_events: bool = True  # streamed events written straight to the connection (apiserver.direct_body)
     timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
     grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP

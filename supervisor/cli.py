@@ -162,6 +162,11 @@ def _positive(click_context, param, value):
               help="API servers make the socket writes of one event-loop pass together, after its Python work "
                    "(a streamed token's event about a fifth cheaper; a write waits at most for the rest of "
                    "that pass); --no-write-batching writes each at once. [default: on]")
+@click.option("--direct-stream-events/--no-direct-stream-events", default=_DEFAULTS.direct_stream_events,
+              help="API servers write a streamed response's events straight to its connection, past the ASGI "
+                   "send chain, and while the response waits, the engine output reader writes them itself (no "
+                   "task wake-up per token); off where --middleware is given, which may change a body. "
+                   "--no-direct-stream-events sends every event through the app's send. [default: on]")
 @click.option("--timeout-keep-alive", default=_DEFAULTS.timeout_keep_alive, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="Close a connection that brings no request this many seconds (after connecting or after "
