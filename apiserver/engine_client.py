@@ -62,34 +62,61 @@ class RequestAborted(Exception):
 class RequestStream:
     """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer.
 
-    A consumer may set a `handler`: while it waits in `next_batch` with nothing pending, each output that does
-    not end a sequence goes to `handler(output)` first, on the reader's call stack, and only the outputs it
-    declines (returns False) are queued and wake the consumer. Since the handler runs only while the consumer
-    waits for outputs, everything before has been consumed: the order of what both do holds. A streamed
-    response writes its events so (apiserver/streaming.py), with no task to wake per token."""
+    A consumer may set a `handler`: while it waits in `next_batch` with nothing pending, the outputs that end
+    no sequence are held instead of waking it, and once the reader has read what the engines sent (its drain
+    ends), `handler(outputs)` gets them all at once; only what it declines (returns False) wakes the consumer.
+    Since the handler runs only while the consumer waits, everything before has been consumed: the order of
+    what both do holds. The outputs of one drain go together, so a server that falls behind hands out several
+    steps' tokens in one event, as a woken consumer would take them. A streamed response writes its events so
+    (apiserver/streaming.py), with no task to wake per token."""
 
-    __slots__ = ("engines", "unfinished", "handler", "_items", "_waiter", "_error", "_loop", "_handled_at")
+    __slots__ = ("engines", "unfinished", "handler", "_items", "_waiter", "_error", "_loop", "_handled_at",
+                 "_held", "_to_hand")
 
-    def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop,
+                 to_hand: list | None = None):
+        """`to_hand`: the reader's list of streams whose held outputs go to their handler when its drain ends."""
         self.engines = engines  # engine request id -> the engine that runs it
         self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
-        self.handler = None  # (output) -> bool, or None
+        self.handler = None  # (outputs) -> bool, or None
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
         self._loop = loop
-        self._handled_at = 0.0  # loop time of the last output the handler took
+        self._handled_at = 0.0  # loop time of the last outputs the handler took
+        self._held = False  # outputs wait in _items for the handler (this stream is in _to_hand)
+        self._to_hand = to_hand
 
     def put(self, output) -> None:
+        self._items.append(output)
         if output.finish_reason is not None:
             self.unfinished[output.request_id] -= 1
-        elif self.handler is not None:
+        elif self.handler is not None and self._to_hand is not None:
             waiter = self._waiter
-            if waiter is not None and not waiter.done() and self.handler(output):
-                self._handled_at = self._loop.time()
+            if waiter is not None and not waiter.done():
+                if not self._held:
+                    self._held = True
+                    self._to_hand.append(self)
                 return
-        self._items.append(output)
         self._wake()
+
+    def hand_over(self) -> None:
+        """The held outputs to the handler, if the consumer still waits for them (else it takes them)."""
+        self._held = False
+        waiter = self._waiter
+        if waiter is None or waiter.done() or not self._items:
+            return
+        items, self._items = self._items, []
+        try:
+            taken = self.handler(items)
+        except Exception:  # the consumer then meets the outputs itself (its own error, if they fail there too)
+            log.exception("a stream's output handler failed")
+            taken = False
+        if taken:
+            self._handled_at = self._loop.time()
+        else:
+            self._items = items
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
@@ -138,6 +165,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = [False] * len(addresses)
         self._streams: dict[str, RequestStream] = {}
+        self._to_hand: list[RequestStream] = []  # streams with outputs held for their handler (RequestStream)
         self.loads = EngineLoads(self.ranks, group)
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (engine, its answer)
         self._call_ids = itertools.count(1)
@@ -207,7 +235,7 @@ class EngineClient:
         for request_id, _ in requests:
             engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()
             self.loads.sent(engine)
-        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop())
+        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand)
         for request_id, prompt_token_ids in requests:
             self._streams[request_id] = stream
             self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority))
@@ -339,8 +367,18 @@ class EngineClient:
 
     def _drain(self, engine: int) -> None:
         """The messages waiting on `engine`'s socket, handled until none is left (the FD only signals a
-        change) or the slice is over; then the rest waits for a drain scheduled after what else is ready."""
+        change) or the slice is over; then the rest waits for a drain scheduled after what else is ready.
+        Last, the streams' handlers get what this drain held for them."""
         self._drain_scheduled[engine] = False
+        try:
+            self._read(engine)
+        finally:
+            to_hand = self._to_hand[:]  # (the streams hold this list itself)
+            self._to_hand.clear()
+            for stream in to_hand:
+                stream.hand_over()
+
+    def _read(self, engine: int) -> None:
         sock = self._sockets[engine]
         slice_ends = time.monotonic() + DRAIN_SLICE_SECONDS
         while not sock.closed:

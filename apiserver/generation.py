@@ -117,7 +117,7 @@ class Generation:
 
     def push_to(self, handler) -> None:
         """While this generation's consumer waits in `next_changes`, its outputs that end no sequence go to
-        `handler(output) -> bool` instead (RequestStream.handler); the ones it declines come back as before."""
+        `handler(outputs) -> bool` instead (RequestStream.handler); the ones it declines come back as before."""
         self._stream.handler = handler
 
     def fail(self, error: BaseException) -> None:

@@ -78,16 +78,17 @@ class EventStreamResponse:
 
 
 def push_events(generation: Generation, writer: ChunkWriter, body: DirectBody):
-    """The handler of a waiting response's outputs (Generation.push_to): each output's event, formatted and
-    written on the engine client's reader's call stack. It declines while the body is not writable (the
-    response's task then writes it, after waiting out the client); it never raises into the reader, which
-    serves every other stream too: a failure is raised in the response's task instead, as its error event."""
+    """The handler of a waiting response's outputs (Generation.push_to): the event of the outputs one drain of
+    the engine client's reader brought, formatted and written on the reader's call stack. It declines while the
+    body is not writable (the response's task then writes it, after waiting out the client); it never raises
+    into the reader, which serves every other stream too: a failure is raised in the response's task instead,
+    as its error event."""
 
-    def push(output) -> bool:
+    def push(outputs: list) -> bool:
         if not body.writable():
             return False
         try:
-            event = writer.changes(generation.take(generation.apply([output])))
+            event = writer.changes(generation.take(generation.apply(outputs)))
         except Exception as exc:
             generation.fail(exc)
             return True

@@ -10,8 +10,8 @@
 #   3. bench/step_profile.py: where a decode step of 256 sequences goes (host phases, GPU time, GPU idle);
 #   4. bench/frontend.py: the simulated engine behind 1 and 8 API servers;
 #   5. bench/serve.py: end to end, `supervise --model <shape> --load-format dummy` under 256 concurrent streams
-#      (the 135M shape with 1, 4 and 8 API servers, the one server again with --no-write-batching, and once more
-#      profiled with py-spy);
+#      (the 135M shape with 1, 4 and 8 API servers, the one server again with --no-direct-stream-events
+#      --no-write-batching, and once more profiled with py-spy);
 #   6. bench/tokenizing.py: what a new prompt's tokens cost this machine's CPU, with the word cache and without;
 #   7. bench/attention.py: one layer's attention by each kernel of varlen steps (gather + flash, paged Triton).
 # The summary gives engine and end-to-end rates as a share of each shape's roofline (bench/roofline.py).
@@ -140,8 +140,10 @@ tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py |
   profile_step profile "$MODEL_DIR" on --kernels 15
   profile_step profile-sync "$MODEL_DIR" off
   serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
-  # The same with each socket write made at once (no batch per loop pass): what batching gains the one server.
-  serve_step serve-direct-writes "$MODEL_DIR" 60 "$SUPERVISE_ARGS --no-write-batching" $SERVE_ARGS
+  # The same with every event through the app's send and each socket write made at once (no batch per loop pass):
+  # what the two gain the one server.
+  serve_step serve-through-send "$MODEL_DIR" 60 "$SUPERVISE_ARGS --no-direct-stream-events --no-write-batching" \
+    $SERVE_ARGS
   [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
   # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
   # the API servers' intake of each wave of new requests.

@@ -147,7 +147,7 @@ def end_to_end_rows(out_dir: str) -> list[tuple[str, str, str]]:
     decode_graphs_only = _closed_loop_rate(os.path.join(out_dir, "loop-decode-graphs-only.txt"))
     if decode_graphs_only:
         rows.append(("the same, graphs for decode-only steps only", f"{decode_graphs_only:.0f}", ""))
-    for name in ("serve", "serve-direct-writes", "serve-4-servers", "serve-8-servers"):
+    for name in ("serve", "serve-through-send", "serve-4-servers", "serve-8-servers"):
         path = os.path.join(out_dir, name + ".json")
         if match and os.path.isfile(path):
             served = json.load(open(path))["runs"][0]["summary"]["output_throughput"]

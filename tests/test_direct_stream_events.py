@@ -33,57 +33,95 @@ def _output(index: int, finish: str | None = None):
     return SimpleNamespace(request_id="r", index=index, finish_reason=finish)
 
 
-def _run(coroutine):
-    return uvloop.run(coroutine)
+def _stream(loop, handler):
+    """A stream as the engine client makes it, and its list of streams to hand over at the end of a drain."""
+    to_hand: list = []
+    stream = RequestStream({"r": 0}, 1, loop, to_hand)
+    stream.handler = handler
+    return stream, to_hand
 
 
-def test_the_handler_takes_outputs_only_while_the_consumer_waits_and_never_an_end():
+def _drain_ends(to_hand: list) -> None:
+    for stream in to_hand[:]:
+        stream.hand_over()
+    to_hand.clear()
+
+
+def test_the_handler_gets_a_drains_outputs_together_only_while_the_consumer_waits_and_never_an_end():
     async def scenario():
-        stream = RequestStream({"r": 0}, 1, asyncio.get_running_loop())
         taken = []
-        stream.handler = lambda out: taken.append(out.index) or out.index != 3  # declines output 3
-        stream.put(_output(0))  # nobody waits yet: queued
-        assert [o.index for o in await stream.next_batch()] == [0] and taken == []
+
+        def handler(outputs):
+            indices = [o.index for o in outputs]
+            if 5 in indices:
+                return False  # declined: the consumer gets them
+            taken.append(indices)
+            return True
+
+        stream, to_hand = _stream(asyncio.get_running_loop(), handler)
+        stream.put(_output(0))  # nobody waits yet: for the consumer
+        assert [o.index for o in await stream.next_batch()] == [0] and to_hand == []
         consumer = asyncio.ensure_future(stream.next_batch())
         await asyncio.sleep(0)  # the consumer now waits
         stream.put(_output(1))
-        stream.put(_output(2))
-        assert taken == [1, 2] and not consumer.done()
-        stream.put(_output(3))  # declined: queued, and the consumer wakes for it
-        stream.put(_output(4))  # the consumer is woken, not waiting: queued behind 3, in order
-        stream.put(_output(5, finish="length"))  # an end always goes to the consumer
-        batch = await consumer
-        assert [o.index for o in batch] == [3, 4, 5] and taken == [1, 2, 3]
-        assert stream.unfinished == {"r": 0}
+        stream.put(_output(2))  # one drain: held together, the consumer not woken
+        assert to_hand == [stream] and taken == [] and not consumer.done()
+        _drain_ends(to_hand)
+        assert taken == [[1, 2]] and not consumer.done()
+        stream.put(_output(3))
+        _drain_ends(to_hand)
+        stream.put(_output(4))
+        stream.put(_output(5))
+        _drain_ends(to_hand)  # declined: the consumer wakes for 4 and 5
+        stream.put(_output(6))  # it is woken, not waiting: for it too, behind them
+        stream.put(_output(7, finish="length"))  # an end always goes to the consumer
+        _drain_ends(to_hand)
+        assert [o.index for o in await consumer] == [4, 5, 6, 7]
+        assert taken == [[1, 2], [3]] and stream.unfinished == {"r": 0}
 
-    _run(scenario())
+    uvloop.run(scenario())
 
 
-def test_the_first_batch_while_nobody_waits_is_queued_not_handed():
+def test_an_end_in_the_same_drain_takes_what_was_held_to_the_consumer_in_order():
     async def scenario():
-        stream = RequestStream({"r": 0}, 1, asyncio.get_running_loop())
-        stream.handler = lambda out: pytest.fail("the handler ran with nobody waiting")
+        stream, to_hand = _stream(asyncio.get_running_loop(), lambda outputs: pytest.fail("handed an end's drain"))
+        consumer = asyncio.ensure_future(stream.next_batch())
+        await asyncio.sleep(0)
         stream.put(_output(0))
-        assert [o.index for o in await stream.next_batch()] == [0]
+        stream.put(_output(1, finish="stop"))
+        _drain_ends(to_hand)
+        assert [o.index for o in await consumer] == [0, 1]
 
-    _run(scenario())
+    uvloop.run(scenario())
 
 
-def test_keep_alive_silence_counts_from_the_last_output_the_handler_took():
+def test_a_failing_handler_leaves_the_outputs_to_the_consumer():
+    async def scenario():
+        stream, to_hand = _stream(asyncio.get_running_loop(), lambda outputs: 1 / 0)
+        consumer = asyncio.ensure_future(stream.next_batch())
+        await asyncio.sleep(0)
+        stream.put(_output(0))
+        _drain_ends(to_hand)
+        assert [o.index for o in await consumer] == [0]
+
+    uvloop.run(scenario())
+
+
+def test_keep_alive_silence_counts_from_the_last_outputs_the_handler_took():
     async def scenario():
         loop = asyncio.get_running_loop()
-        stream = RequestStream({"r": 0}, 1, loop)
-        stream.handler = lambda out: True
+        stream, to_hand = _stream(loop, lambda outputs: True)
         started = loop.time()
         consumer = asyncio.ensure_future(stream.next_batch(0.3))
-        for i in range(5):  # an output every 0.1 s for 0.5 s: never 0.3 s of silence
+        for i in range(5):  # outputs every 0.1 s for 0.5 s: never 0.3 s of silence
             await asyncio.sleep(0.1)
             stream.put(_output(i))
+            _drain_ends(to_hand)
             assert not consumer.done()
         assert await consumer == []  # 0.3 s after the last
         assert loop.time() - started >= 0.75
 
-    _run(scenario())
+    uvloop.run(scenario())
 
 
 # --- the real group, with and without ------------------------------------------------------------------------------
