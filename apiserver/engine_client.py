@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
+from typing import Callable
 
 import zmq
 
@@ -78,7 +79,7 @@ class RequestStream:
         """`to_hand`: the reader's list of streams whose held outputs go to their handler when its drain ends."""
         self.engines = engines  # engine request id -> the engine that runs it
         self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
-        self.handler = None  # (outputs) -> bool, or None
+        self.handler: Callable[[list], bool] | None = None
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
@@ -103,12 +104,12 @@ class RequestStream:
     def hand_over(self) -> None:
         """The held outputs to the handler, if the consumer still waits for them (else it takes them)."""
         self._held = False
-        waiter = self._waiter
-        if waiter is None or waiter.done() or not self._items:
+        waiter, handler = self._waiter, self.handler
+        if waiter is None or waiter.done() or not self._items or handler is None:
             return
         items, self._items = self._items, []
         try:
-            taken = self.handler(items)
+            taken = handler(items)
         except Exception:  # the consumer then meets the outputs itself (its own error, if they fail there too)
             log.exception("a stream's output handler failed")
             taken = False
