@@ -105,14 +105,15 @@ class RequestStream:
         """The held outputs to the handler, if the consumer still waits for them (else it takes them)."""
         self._held = False
         waiter, handler = self._waiter, self.handler
-        if waiter is None or waiter.done() or not self._items or handler is None:
+        if waiter is None or waiter.done() or not self._items:
             return
         items, self._items = self._items, []
-        try:
-            taken = handler(items)
-        except Exception:  # the consumer then meets the outputs itself (its own error, if they fail there too)
-            log.exception("a stream's output handler failed")
-            taken = False
+        taken = False
+        if handler is not None:
+            try:
+                taken = handler(items)
+            except Exception:  # the consumer then meets the outputs itself (its own error, if they fail there too)
+                log.exception("a stream's output handler failed")
         if taken:
             self._handled_at = self._loop.time()
         else:
