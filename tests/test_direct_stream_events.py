@@ -206,9 +206,9 @@ def test_the_whole_answer_is_what_the_stream_told(groups):
     assert streamed["usage"] == whole["usage"]
 
 
-def _chunked_body(sock: socket.socket) -> bytes:
-    """Read one chunked HTTP response to its end: the body, de-chunked."""
-    data = b""
+def _chunked_body(sock: socket.socket, data: bytes = b"") -> tuple[bytes, bytes]:
+    """Read one chunked HTTP response to its end, from what was read before (`data`) on: its body, de-chunked,
+    and what came after it (the next response's start)."""
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, rest = data.split(b"\r\n\r\n", 1)
@@ -225,7 +225,7 @@ def _chunked_body(sock: socket.socket) -> bytes:
             rest += more
         body, rest = body + rest[:size], rest[size + 2:]
         if size == 0:
-            return body
+            return body, rest
 
 
 def test_a_client_that_stops_reading_gets_everything_in_order_and_others_are_served_meanwhile(groups):
@@ -248,7 +248,7 @@ def test_a_client_that_stops_reading_gets_everything_in_order_and_others_are_ser
               for _ in range(3)]
     assert all(o["choices"][0]["finish"] == ("length", None) for o in others)
     with sock:
-        lines = [line for line in _chunked_body(sock).decode().split("\n") if line]
+        lines = [line for line in _chunked_body(sock)[0].decode().split("\n") if line]
     got = _what_the_client_gets(lines)["choices"]
     whole = httpx.post(f"{direct.url}/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
     assert sorted(got) == [0, 1, 2, 3]
@@ -257,6 +257,28 @@ def test_a_client_that_stops_reading_gets_everything_in_order_and_others_are_ser
         assert streamed["text"] == choice["message"]["content"]
         assert len(streamed["tokens"]) == 1500 and all(top == 20 for _, _, top in streamed["tokens"])
         assert streamed["finish"] == ("length", None)
+
+
+def test_pipelined_streams_on_one_connection_each_whole_and_in_order(groups):
+    # The second request waits in uvicorn's pipeline while the first streams: its events must not go out
+    # through the first's body, nor the first's after its end.
+    direct, _ = groups
+    host, port = direct.url.removeprefix("http://").rsplit(":", 1)
+    requests = b""
+    for max_tokens in (40, 7):
+        data = json.dumps({**CHAT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}).encode()
+        requests += (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(requests)
+        first, after = _chunked_body(sock)
+        answers = [first, _chunked_body(sock, after)[0]]
+    for max_tokens, answer in zip((40, 7), answers):
+        lines = [line for line in answer.decode().split("\n") if line]
+        got = _what_the_client_gets(lines)["choices"][0]
+        whole = httpx.post(f"{direct.url}/v1/chat/completions", json={**CHAT, "max_tokens": max_tokens,
+                                                                      "ignore_eos": True}, timeout=30).json()
+        assert got["text"] == whole["choices"][0]["message"]["content"] and got["finish"] == ("length", None)
 
 
 def test_no_keep_alive_comment_while_events_flow_only_in_silence():

@@ -1,0 +1,123 @@
+"""Two groups under the same paced load at the same time: API-server CPU per streamed token, side by side.
+
+bench/frontend.py's paced phase measures one group after the other, and on a shared machine two runs a minute
+apart differ by 10-20%: more than most changes to the per-token path. Here both groups serve at once, each its
+own closed loop of paced streams (the same request, the same concurrency), so whatever the neighbours do, both
+pay it. Each round charges each group's API server with the CPU time the kernel counted for it
+(/proc/PID/schedstat, in nanoseconds) and prints both figures and their ratio; the median of the ratios ends.
+
+The second group ("b") is ours with `--b-args` added, or the checkout at `--b-tree` (a git worktree of another
+commit, put first on its PYTHONPATH), or both:
+
+    .venv/bin/python bench/paced_pair.py --b-args=--no-direct-stream-events
+    git worktree add /tmp/before HEAD~3 && .venv/bin/python bench/paced_pair.py --b-tree /tmp/before
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from closed_loop_clients import ClosedLoopClients  # noqa: E402
+from frontend import CHAT_PATH, PROMPT  # noqa: E402
+from machine_info import machine_info  # noqa: E402
+from openai_request import request_body  # noqa: E402
+from process_usage import titled_children  # noqa: E402
+from supervise_launcher import start_supervise  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--b-args", default="", metavar="ARGS", help="extra supervise options of group b")
+    p.add_argument("--b-tree", default=None, metavar="PATH", help="group b runs the checkout at PATH")
+    p.add_argument("--sim-ms", type=float, default=20.0, help="the simulated engine's step interval (the pace)")
+    p.add_argument("--concurrency", type=int, default=32, help="paced streams in flight per group")
+    p.add_argument("--tokens", type=int, default=64, help="tokens of each stream")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of each round")
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--server-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    if not args.b_args and not args.b_tree:
+        p.error("give --b-args, --b-tree or both: group b must differ from group a")
+    return args
+
+
+def cpu_ns(pid: int) -> int:
+    """The CPU time the kernel counted for the process's main thread and its others, in ns."""
+    task_dir = f"/proc/{pid}/task"
+    return sum(int(open(f"{task_dir}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(task_dir))
+
+
+def start_group(args, extra: str, tree: str | None):
+    """A serving group with one API server, and that server's pid; `tree`: the checkout it runs."""
+    saved = os.environ.get("PYTHONPATH")
+    if tree:
+        os.environ["PYTHONPATH"] = os.path.abspath(tree) + (os.pathsep + saved if saved else "")
+    try:
+        server = start_supervise(["--model", f"sim:{args.sim_ms:g}", "--max-num-seqs", "65536", *shlex.split(extra)],
+                                 args.server_timeout)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    (api,) = [p for name, p in titled_children(server.pid).items() if name.startswith("ApiServer_")]
+    return server, api.pid
+
+
+def run_round(groups, clients, body: bytes, args, duration: float) -> list[dict]:
+    """Both loads at once; per group: its tokens, events and API-server CPU ns."""
+    before = [cpu_ns(pid) for _, pid in groups]
+    done: list = [None, None]
+
+    def load(i: int) -> None:
+        done[i] = clients[i].run(groups[i][0].url, CHAT_PATH, body, args.concurrency, duration, args.tokens)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [{**done[i], "cpu_ns": cpu_ns(pid) - before[i]} for i, (_, pid) in enumerate(groups)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    labels = ("a: supervise", f"b: supervise {args.b_args}".strip() + (f" ({args.b_tree})" if args.b_tree else ""))
+    print(f"{machine_info()}\n{args.concurrency} paced streams of {args.tokens} tokens on sim:{args.sim_ms:g} per "
+          f"group, both at once; {args.rounds} rounds of {args.duration:g} s\n  {labels[0]}\n  {labels[1]}",
+          flush=True)
+    body = request_body(f"sim:{args.sim_ms:g}", PROMPT, args.tokens, chat=True, stream=True, ignore_eos=True)
+    groups, clients = [], []
+    try:
+        groups.append(start_group(args, "", None))
+        groups.append(start_group(args, args.b_args, args.b_tree))
+        clients += [ClosedLoopClients(1), ClosedLoopClients(1)]
+        run_round(groups, clients, body, args, args.warmup)
+        ratios = []
+        print("round   a us/tok   b us/tok    b/a   a ev/tok  b ev/tok")
+        for r in range(args.rounds):
+            a, b = run_round(groups, clients, body, args, args.duration)
+            per = [g["cpu_ns"] / 1e3 / max(1, g["tokens"]) for g in (a, b)]
+            ratios.append(per[1] / per[0])
+            print(f"{r:5d} {per[0]:10.1f} {per[1]:10.1f} {ratios[-1]:6.3f} {a['events'] / max(1, a['tokens']):10.2f}"
+                  f" {b['events'] / max(1, b['tokens']):9.2f}", flush=True)
+            for label, g in zip("ab", (a, b)):
+                if g["errors"]:
+                    print(f"      errors of {label}: {g['errors']}", flush=True)
+        print(f"median b/a: {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    finally:
+        for c in clients:
+            c.close()
+        for server, _ in groups:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
