@@ -4,7 +4,9 @@ Token ids arrive a few at a time; text must come out as soon as it is certain. t
 the hard part in Rust: it holds back bytes until they form whole UTF-8 characters (a 4-byte emoji spread over
 three byte-level tokens), and decodes each token in the context of the ones before, so SentencePiece's `▁`
 and byte-level `Ġ` become the right spaces. Seeding it with the end of the prompt makes the first generated
-token decode as it would mid-text (SentencePiece would otherwise drop its leading space).
+token decode as it would mid-text (SentencePiece would otherwise drop its leading space). For a byte-level BPE
+tokenizer the same comes from a table of each token's bytes (apiserver/byte_stream.py), at a fraction of the
+cost per token.
 
 Stop strings are matched here, on the text, because a stop string can span tokens. Text that might be the
 beginning of a stop string is held back until it is clear, so a stop string never leaks into the output.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from apiserver.byte_stream import ByteLevelStream, byte_tables
 
 # How much of the prompt primes the decoder: enough for the context a token's decoding depends on.
 PROMPT_CONTEXT_TOKENS = 4
@@ -31,7 +35,9 @@ class IncrementalDetokenizer:
     ):
         self._tokenizer = tokenizer
         context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if prompt_token_ids else None
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        tables = byte_tables(tokenizer)
+        self._stream = (ByteLevelStream(tables.of(skip_special_tokens), context) if tables is not None
+                        else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
         self._stops = [s for s in stop or () if s]
         # Characters at the end of the text that could still grow into a stop string.
         self._hold = max((len(s) for s in self._stops), default=1) - 1

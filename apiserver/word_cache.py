@@ -23,6 +23,7 @@ import json
 import re
 
 from apiserver import split_regex
+from apiserver.byte_stream import byte_level_chars
 
 # Anything but printable ASCII, tab, newline and carriage return: such text goes to the Rust tokenizer.
 _UNSAFE = re.compile(r"[^\t\n\r\x20-\x7e]")
@@ -50,7 +51,7 @@ class WordCache:
         self._model = tokenizer.model
         self.cuts_other_text = cut_other_text
         self._split = re.compile(ascii_pattern, re.ASCII).findall
-        self._bytes_to_chars = str.maketrans(_byte_level_chars())
+        self._bytes_to_chars = str.maketrans({b: c for b, c in byte_level_chars().items() if b < 128})
         self._single: dict[str, int] = {}  # the words of one token
         self._multi: dict[str, tuple[int, ...]] = {}  # the others
         self._held_ids = 0
@@ -147,17 +148,3 @@ def _cut_before(text: str, at: int, done: int) -> int:
     while space > done and not "!" <= text[space - 1] <= "~":
         space = text.rfind(" ", done, space)
     return max(space, done)
-
-
-def _byte_level_chars() -> dict[int, str]:
-    """GPT-2's byte-to-character map (tokenizers' ByteLevel), for the ASCII bytes: printable ones stand for
-    themselves, the others (space, tab, newline, ...) for the characters from U+0100 on, in byte order."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    chars, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + shifted)
-            shifted += 1
-    return {byte: char for byte, char in chars.items() if byte < 128}
