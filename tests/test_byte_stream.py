@@ -3,8 +3,10 @@ step: random token sequences of byte fragments, multi-byte characters, special, 
 special tokens skipped and kept; which tokenizers get the table; and a prompt that ends inside a character."""
 from __future__ import annotations
 
+import json
 import random
 
+import httpx
 import pytest
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -13,6 +15,7 @@ from apiserver.byte_stream import ByteLevelStream, byte_tables
 from apiserver.detokenizer import IncrementalDetokenizer
 from apiserver.renderer import load_tokenizer
 from enginecore.model_source import resolve_model
+from tests.supervise_process import Supervise
 
 TEXTS = ["café — «la vie» 🥐🇫🇷 naïve", "日本語のテキスト、中文。한국어", "emoji 👍🏽 👨‍👩‍👧 \ufffd end", "tabs\tand\r\nnewlines  "]
 
@@ -116,3 +119,25 @@ def test_a_table_that_disagrees_with_the_tokenizer_is_not_used():
     if text == "Ġodd":
         pytest.skip("this tokenizers version decodes added tokens as their content: nothing disagrees")
     assert byte_tables(tok) is None
+
+
+def test_a_completion_after_token_ids_that_end_in_a_fragment_is_only_its_own_text(tokenizer):
+    clean = tokenizer.encode("Free perch", add_special_tokens=False).ids
+    for cut in ("¥", "ð"):  # a continuation byte alone; the lead byte of a 4-byte character
+        assert tokenizer.token_to_id(cut) is not None
+    with Supervise("--model", "sim:2") as server:
+        def text(prompt: list[int], stream: bool) -> str:
+            body = {"model": "sim:2", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "stream": stream}
+            if not stream:
+                return httpx.post(f"{server.base_url}/completions", json=body, timeout=30).json()["choices"][0]["text"]
+            with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30) as r:
+                chunks = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: {")]
+            return "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
+
+        expected = text(clean, False)
+        assert expected and "perch" not in expected
+        for cut in ("¥", "ð"):
+            for stream in (False, True):
+                got = text(clean + [tokenizer.token_to_id(cut)], stream)
+                assert "perch" not in got, (cut, stream, got)
+                assert got.endswith(expected[1:]), (cut, stream, got)  # its first token may complete the cut
