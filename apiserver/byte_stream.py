@@ -102,7 +102,8 @@ class ByteLevelStream:
         self._table = table
         self._size = size = len(table)
         context_bytes = b"".join(table[i] for i in context or () if 0 <= i < size)
-        self._pending = _incomplete_tail(context_bytes)
+        # (Most prompts end in ASCII, a chat's always: nothing incomplete, no decoder to make.)
+        self._pending = _incomplete_tail(context_bytes) if context_bytes and context_bytes[-1] >= 0x80 else b""
 
     def step(self, tokenizer, token_id: int) -> str | None:
         """The text this token completes, or None while there is none yet (`tokenizer`: DecodeStream's

@@ -174,4 +174,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    return _environment().from_string(template)
+    compiled = _environment().from_string(template)
+    # jinja keeps a template's globals as a ChainMap over the environment's and copies them into a new dict on
+    # every render, through the ChainMap's slow iteration: half of a short chat's render. Nothing changes either
+    # after this, so one flat dict serves.
+    compiled.globals = dict(compiled.globals)
+    return compiled
