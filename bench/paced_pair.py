@@ -1,4 +1,5 @@
-"""Two groups under the same paced load at the same time: API-server CPU per streamed token, side by side.
+"""Two groups under the same paced load at the same time: API-server CPU per streamed token, side by side
+(`--requests`: per short whole chat completion instead).
 
 bench/frontend.py's paced phase measures one group after the other, and on a shared machine two runs a minute
 apart differ by 10-20%: more than most changes to the per-token path. Here both groups serve at once, each its
@@ -10,6 +11,7 @@ The second group ("b") is ours with `--b-args` added, or the checkout at `--b-tr
 commit, put first on its PYTHONPATH), or both:
 
     .venv/bin/python bench/paced_pair.py --b-args=--no-direct-stream-events
+    .venv/bin/python bench/paced_pair.py --requests --sim-ms 1 --b-tree /tmp/before   # 1-token chats, not streamed
     git worktree add /tmp/before HEAD~3 && .venv/bin/python bench/paced_pair.py --b-tree /tmp/before
 """
 from __future__ import annotations
@@ -37,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sim-ms", type=float, default=20.0, help="the simulated engine's step interval (the pace)")
     p.add_argument("--concurrency", type=int, default=32, help="paced streams in flight per group")
     p.add_argument("--tokens", type=int, default=64, help="tokens of each stream")
+    p.add_argument("--requests", action="store_true",
+                   help="load both with 1-token chat completions, not streamed (bench/frontend.py's requests phase), "
+                        "and charge CPU per request")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--duration", type=float, default=8.0, help="seconds of each round")
     p.add_argument("--warmup", type=float, default=2.0)
@@ -89,10 +94,16 @@ def run_round(groups, clients, body: bytes, args, duration: float) -> list[dict]
 def main(argv=None) -> int:
     args = parse_args(argv)
     labels = ("a: supervise", f"b: supervise {args.b_args}".strip() + (f" ({args.b_tree})" if args.b_tree else ""))
-    print(f"{machine_info()}\n{args.concurrency} paced streams of {args.tokens} tokens on sim:{args.sim_ms:g} per "
-          f"group, both at once; {args.rounds} rounds of {args.duration:g} s\n  {labels[0]}\n  {labels[1]}",
-          flush=True)
-    body = request_body(f"sim:{args.sim_ms:g}", PROMPT, args.tokens, chat=True, stream=True, ignore_eos=True)
+    load = "1-token chat completions" if args.requests else f"paced streams of {args.tokens} tokens"
+    print(f"{machine_info()}\n{args.concurrency} {load} in flight on sim:{args.sim_ms:g} per group, both at once; "
+          f"{args.rounds} rounds of {args.duration:g} s\n  {labels[0]}\n  {labels[1]}", flush=True)
+    model = f"sim:{args.sim_ms:g}"
+    if args.requests:
+        args.tokens = 1
+        body = request_body(model, PROMPT, 1, chat=True, stream=False, ignore_eos=False)
+    else:
+        body = request_body(model, PROMPT, args.tokens, chat=True, stream=True, ignore_eos=True)
+    unit = "requests" if args.requests else "tokens"
     groups, clients = [], []
     try:
         groups.append(start_group(args, "", None))
@@ -100,13 +111,15 @@ def main(argv=None) -> int:
         clients += [ClosedLoopClients(1), ClosedLoopClients(1)]
         run_round(groups, clients, body, args, args.warmup)
         ratios = []
-        print("round   a us/tok   b us/tok    b/a   a ev/tok  b ev/tok")
+        per_unit = "req" if args.requests else "tok"
+        print(f"round   a us/{per_unit}   b us/{per_unit}    b/a" + ("" if args.requests else "   a ev/tok  b ev/tok"))
         for r in range(args.rounds):
             a, b = run_round(groups, clients, body, args, args.duration)
-            per = [g["cpu_ns"] / 1e3 / max(1, g["tokens"]) for g in (a, b)]
+            per = [g["cpu_ns"] / 1e3 / max(1, g[unit]) for g in (a, b)]
             ratios.append(per[1] / per[0])
-            print(f"{r:5d} {per[0]:10.1f} {per[1]:10.1f} {ratios[-1]:6.3f} {a['events'] / max(1, a['tokens']):10.2f}"
-                  f" {b['events'] / max(1, b['tokens']):9.2f}", flush=True)
+            events = "" if args.requests else (f" {a['events'] / max(1, a['tokens']):10.2f}"
+                                               f" {b['events'] / max(1, b['tokens']):9.2f}")
+            print(f"{r:5d} {per[0]:10.1f} {per[1]:10.1f} {ratios[-1]:6.3f}{events}", flush=True)
             for label, g in zip("ab", (a, b)):
                 if g["errors"]:
                     print(f"      errors of {label}: {g['errors']}", flush=True)
