@@ -220,4 +220,5 @@ def test_chat_stream_sends_each_role_with_its_first_token(client):
             else:
                 assert choice.delta.role is None  # once per choice
     assert sorted(firsts) == [0, 1]
-    assert all(d.role == "assistant" and d.content == "Paris" for d in firsts.values())
+    # The first token is "Paris"; a loaded machine may hand out the next with it in the same event.
+    assert all(d.role == "assistant" and d.content.startswith("Paris") for d in firsts.values())

@@ -103,6 +103,7 @@ def test_sighup_rolls_every_grpc_server_without_a_failed_call(group):
         done_at_restart = load.ok
         load.wait_for(done_at_restart + 8)
     assert load.failures == []
+    assert load.refused <= 2 * 4  # grpc-core's race at each old server's stop: at most a call per client each
     assert len(group.api_server_pids()) == 2
 
 
