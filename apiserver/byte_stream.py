@@ -6,8 +6,8 @@ characters of the token's string mapped back through GPT-2's byte-to-character t
 it is), read as UTF-8. DecodeStream decodes a window of recent tokens on every step and gives out the new text
 once that text does not end in U+FFFD (a character still incomplete). With bytes that is: keep the bytes not given
 out yet; after each token, read them as UTF-8 (invalid bytes as U+FFFD, as Rust's from_utf8_lossy reads them);
-give the text out when there is some and it does not end in U+FFFD. One streamed token then costs about a
-microsecond of Python instead of 3-4 in the Rust call (the 2-core AMD EPYC VM).
+give the text out when there is some and it does not end in U+FFFD. A paced streamed token then costs the API
+server about 8% less CPU (bench/paced_pair.py side by side; README, Performance).
 
 The table is made only for a tokenizer whose decoder is ByteLevel alone, and only if the tokenizer's own decode of
 every single token whose bytes are whole UTF-8 gives the same text (added and special tokens included, with and

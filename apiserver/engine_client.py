@@ -132,7 +132,7 @@ class RequestStream:
     async def next_batch(self, timeout: float | None = None) -> list:
         """Every output that arrived since the last call; waits while there is none. [] after `timeout`
         seconds in which neither an output came nor the handler took one (its keep-alive is silence)."""
-        started = self._loop.time()
+        started = self._loop.time() if timeout is not None else 0.0
         wait = timeout
         while not self._items:
             if self._error is not None:

@@ -56,7 +56,7 @@ def run_api_server(launch: ApiServerLaunch) -> None:
 
     renderer = Renderer(load_tokenizer(model.model_dir), config.chat_template, config.tokenizer_word_cache)
     log.info("tokenizing: %s", renderer.tokenizing)
-    # Made here, not at the first stream: checking the table decodes every token (0.05-0.3 s).
+    # Made here, not at the first stream: checking the table decodes every token of the vocabulary, twice.
     tables = byte_tables(renderer.tokenizer)
     log.info("detokenizing: %s", "each token's bytes from a table (byte-level BPE)" if tables is not None
              else "tokenizers' DecodeStream")

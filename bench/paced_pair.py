@@ -28,7 +28,7 @@ from closed_loop_clients import ClosedLoopClients  # noqa: E402
 from frontend import CHAT_PATH, PROMPT  # noqa: E402
 from machine_info import machine_info  # noqa: E402
 from openai_request import request_body  # noqa: E402
-from process_usage import titled_children  # noqa: E402
+from process_usage import cpu_ns, titled_children  # noqa: E402
 from supervise_launcher import start_supervise  # noqa: E402
 
 
@@ -50,12 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.b_args and not args.b_tree:
         p.error("give --b-args, --b-tree or both: group b must differ from group a")
     return args
-
-
-def cpu_ns(pid: int) -> int:
-    """The CPU time the kernel counted for the process's main thread and its others, in ns."""
-    task_dir = f"/proc/{pid}/task"
-    return sum(int(open(f"{task_dir}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(task_dir))
 
 
 def start_group(args, extra: str, tree: str | None):

@@ -5,6 +5,8 @@ of a benchmark moves with the neighbours, its CPU seconds per request much less.
 """
 from __future__ import annotations
 
+import os
+
 import psutil
 
 TITLE_PREFIX = "supervise: "
@@ -32,6 +34,13 @@ def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
         except psutil.Error:  # gone (restarted): it counts nothing from here on
             seconds[name] = 0.0
     return seconds
+
+
+def cpu_ns(pid: int) -> int:
+    """The CPU time the kernel counted for all the process's threads, in ns (/proc/PID/task/*/schedstat): finer than
+    cpu_seconds' clock ticks, for short rounds side by side (bench/paced_pair.py)."""
+    task_dir = f"/proc/{pid}/task"
+    return sum(int(open(f"{task_dir}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(task_dir))
 
 
 def rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
