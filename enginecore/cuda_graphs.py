@@ -7,7 +7,7 @@ graph's static buffers; the step is padded to its bucket. Two kinds:
 
 - decode-only steps: the whole forward pass, LM head included, per (batch size, blocks per sequence). Padding rows
   compute garbage that nobody samples and write their K/V into the cache's scratch block. Every batch size is
-  captured at start-up for the shortest contexts.
+  captured at start-up for the shortest contexts (START_UP_BLOCK_BUCKETS).
 - steps with prompt tokens (a closed loop of clients makes nearly every step one: new requests' prefills join the
   running decodes), where varlen attention runs (CUDA, half precision, either kernel) and the lean forward does:
   the layers only, per (tokens, runs, context blocks in all) (step_inputs.MixedPadding); the final norm and the LM
@@ -39,6 +39,10 @@ MAX_GRAPH_CONTEXT = 8192
 # Graphs gather at least this many tokens per sequence: on a GPU a short context costs about the same, and fewer
 # shapes mean fewer graphs.
 MIN_GRAPH_CONTEXT = 256
+# Context buckets whose decode graphs are captured at start-up, every batch size each: a chat of a few hundred
+# tokens (a 128-token prompt, its template and 128 new ones come to about 290) would otherwise pause serving for a
+# capture at each batch size it reaches past the first bucket.
+START_UP_BLOCK_BUCKETS = 2
 
 # Graphs of steps with prompt tokens kept at most: their shapes vary with the load (a closed loop of clients settles
 # on about a dozen), and each costs a capture pause; beyond this, steps of new shapes run eagerly.
@@ -47,6 +51,20 @@ MAX_MIXED_GRAPHS = 256
 # capture(fn) -> (replay, output): records fn (a forward pass over static buffers, returning its output tensor);
 # each replay recomputes that output in place from the buffers' current values.
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+# RoPE types whose tables transformers recomputes when a step's positions pass what it has cached: it reads the
+# largest position on the host (a sync, which a capture cannot hold), and a graph would replay stale tables.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def graphs_unsupported(hf_config) -> str | None:
+    """Why steps of this model cannot be CUDA graphs; None when they can."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if any(kind in str(rope_type) for kind in _DYNAMIC_ROPE_TYPES):
+        return f"RoPE type {rope_type!r} recomputes its tables from the positions on the host"
+    return None
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -79,15 +97,20 @@ class _Graph:
 
 
 class CudaCapture:
-    """Graphs on one CUDA device, sharing one memory pool (replays never overlap)."""
+    """Graphs on one CUDA device, sharing one memory pool (replays never overlap), all captured on one side stream:
+    the caching allocator reuses a freed block only on the stream that allocated it, so graphs captured on streams
+    of their own would each keep their activations apart, pool or not (as torch.cuda.graph's own default
+    capture stream is one for all)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        # Warm up on a side stream (as torch's graph docs ask); it writes what the replay will write.
-        stream = torch.cuda.Stream(self.device)
+        # Warm up on the capture stream (as torch's graph docs ask; cuBLAS keeps a workspace per stream); it writes
+        # what the replay will write.
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             fn()
@@ -126,15 +149,15 @@ class CudaGraphRunner:
             self._hidden = embed.new_empty(self.token_buckets[-1], embed.shape[1])
 
     def capture_common(self) -> None:
-        """Capture every batch size for the shortest contexts now, so serving starts without capture pauses;
-        longer contexts, and steps with prompt tokens, are captured when first seen. Largest first, so the smaller
-        reuse its memory pool."""
+        """Capture every batch size for the shortest contexts (START_UP_BLOCK_BUCKETS) now, so serving starts
+        without capture pauses; longer contexts, and steps with prompt tokens, are captured when first seen.
+        Largest first, so the smaller reuse its memory pool."""
         started = time.monotonic()
-        for batch in reversed(self.batch_buckets):
-            padding = DecodePadding(batch, self.block_buckets[0], self.kv_cache.scratch_block)
-            shape = (batch, padding.blocks)
-            example = build_step_inputs([], self.block_size, self.device, padding, self.eager.varlen)
-            self._graphs[shape] = self._capture(example)
+        for blocks in reversed(self.block_buckets[:START_UP_BLOCK_BUCKETS]):
+            for batch in reversed(self.batch_buckets):
+                padding = DecodePadding(batch, blocks, self.kv_cache.scratch_block)
+                example = build_step_inputs([], self.block_size, self.device, padding, self.eager.varlen)
+                self._graphs[(batch, blocks)] = self._capture(example)
         log.info("captured %d CUDA graphs in %.1f s%s", len(self._graphs), time.monotonic() - started,
                  f"; steps with prompt tokens get theirs when first seen (up to {self.token_buckets[-1]} tokens)"
                  if self.token_buckets else "")
@@ -177,10 +200,14 @@ class CudaGraphRunner:
         if not self.token_buckets or runs >= self.run_buckets[-1]:
             return None
         size = self.block_size
-        tokens = blocks = 0
+        tokens = blocks = longest = 0
         for seq, n in entries:
             tokens += n
-            blocks += -(-(seq.num_computed_tokens + n) // size)
+            seq_blocks = -(-(seq.num_computed_tokens + n) // size)
+            blocks += seq_blocks
+            longest = max(longest, seq_blocks)
+        if entries[-1][1] == 1 and longest > self.block_buckets[-1]:
+            return None  # a decode-only step past MAX_GRAPH_CONTEXT: eager, as decode graphs leave it
         # At least 2 tokens: the graph's max_q is its token count, and with max_q 1 flash takes its decode path,
         # which needs exactly one query per run (a padding run has none).
         tokens = max(tokens, 2)

@@ -48,7 +48,8 @@ def reserved_bytes(step_bytes: int, sampler_bytes: int, graph_tokens: int, step_
 
 @torch.inference_mode()
 def _profile_step(runner: ModelRunner, shape: KVShape, config: ServeConfig, dtype: torch.dtype) -> int:
-    """Run one prefill of max_num_batched_tokens tokens on a throwaway cache; the peak memory it reached."""
+    """Run one prefill of max_num_batched_tokens tokens on a throwaway cache; the peak memory it reached, less that
+    cache (allocated after the caller's `before`, and not the step's activations)."""
     tokens = config.max_num_batched_tokens
     blocks = -(-tokens // config.block_size)
     cache = KVCache(shape, blocks, config.block_size, dtype, runner.device)
@@ -59,7 +60,7 @@ def _profile_step(runner: ModelRunner, shape: KVShape, config: ServeConfig, dtyp
     try:
         runner.forward(runner.prepare([(seq, tokens)]))
         torch.cuda.synchronize(runner.device)
-        return torch.cuda.max_memory_allocated(runner.device)
+        return torch.cuda.max_memory_allocated(runner.device) - cache.tensor.numel() * cache.tensor.element_size()
     finally:
         runner.kv_cache = saved
         del cache

@@ -119,11 +119,7 @@ class EngineCore(EngineBase):
         self.kv_cache = KVCache(shape, num_blocks, config.block_size, loaded.dtype, self.device)
         self.runner.kv_cache = self.kv_cache
         if self.device.type == "cuda" and not config.enforce_eager:
-            from enginecore.cuda_graphs import CudaGraphRunner
-
-            self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len,
-                                          min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
-            self.runner.capture_common()
+            self._use_cuda_graphs(config, loaded.hf_config)
 
         self.pool = KVBlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -151,6 +147,18 @@ class EngineCore(EngineBase):
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
         )
+
+    def _use_cuda_graphs(self, config: ServeConfig, hf_config) -> None:
+        """Steps replayed from CUDA graphs, the common ones captured now; eager where the model's steps cannot be."""
+        from enginecore.cuda_graphs import CudaGraphRunner, graphs_unsupported
+
+        why_not = graphs_unsupported(hf_config)
+        if why_not:
+            log.warning("no CUDA graphs: %s; every step runs eagerly", why_not)
+            return
+        self.runner = CudaGraphRunner(self.runner, config.max_num_seqs, self.max_model_len,
+                                      min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+        self.runner.capture_common()
 
     def _num_kv_blocks(self, shape: KVShape, max_len: int) -> int:
         config = self.config

@@ -78,4 +78,7 @@ def _attending(inputs: StepInputs, kv_cache: KVCache | None, kernels: attention.
     try:
         yield
     finally:
+        # The cache too: a global left holding it would keep a throwaway cache (the profiling step's) or a stopped
+        # engine's alive, and count it as used when the next cache is sized.
         attention.current.step = None
+        attention.current.kv_cache = None

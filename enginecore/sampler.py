@@ -150,7 +150,9 @@ class Sampler:
             barred = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
             barred = [t for t in barred if 0 <= t < logits.shape[1]]
             if barred:
-                logits[i, barred] = float("-inf")
+                # index_fill_ with the ids on the device: indexing a CUDA tensor with a Python list copies the list
+                # over synchronously, and the host would wait for the GPU (asynchronous scheduling's overlap lost).
+                logits[i].index_fill_(0, to_device(barred, logits.device), float("-inf"))
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.sampling for s in seqs]

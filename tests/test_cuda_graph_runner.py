@@ -13,7 +13,7 @@ import pytest
 import torch
 from enginecore import attention
 from enginecore import cuda_graphs
-from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket, token_buckets
+from enginecore.cuda_graphs import CudaGraphRunner, blocks_bucket, graphs_unsupported, token_buckets
 from enginecore.sequence import Sequence
 from enginecore.step_inputs import DecodePadding, MixedPadding
 from ipc.messages import EngineRequest
@@ -125,7 +125,8 @@ def test_a_graph_replays_other_steps_of_its_shape(monkeypatch, prompts):
         want = runner.eager.forward(runner.eager.prepare(step))
         assert got.shape == want.shape == (3, want.shape[1])
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-    assert capture.replays["mixed"] == 2 and runner.shapes[-1] == (16, 4, 7) and len(runner.shapes) == len(runner.batch_buckets) + 1
+    assert capture.replays["mixed"] == 2 and runner.shapes[-1] == (16, 4, 7) \
+        and len(runner.shapes) == len(runner.batch_buckets) * len(runner.block_buckets[:2]) + 1
 
 
 def test_which_graph_a_step_gets(monkeypatch, prompts):
@@ -143,6 +144,11 @@ def test_which_graph_a_step_gets(monkeypatch, prompts):
     # 43 tokens, 4 runs and 4 of padding, 9 blocks and one per padding run (13, a quarter octave up: 14).
     assert runner._padding(decodes + [(_seq(words[:40], 0, blocks), 40)]) == \
         MixedPadding(MAX_GRAPH_TOKENS, 8, 14, engine.kv_cache.scratch_block)
+    # A decode-only step past the longest decode graph's context (MAX_GRAPH_CONTEXT; here the first bucket's):
+    # eager, not a graph of the layers.
+    runner.block_buckets = runner.block_buckets[:1]
+    long = (words * 4)[:300]
+    assert runner._padding([(_seq(long, 299, blocks), 1)]) is None
     no_mixed = CudaGraphRunner(runner.eager, 8, engine.max_model_len, 0, capture=StandInCapture())
     assert no_mixed._padding(chunk) is None and no_mixed._padding(decodes) is not None
 
@@ -182,6 +188,22 @@ def test_a_failed_capture_of_a_step_with_prompt_tokens_falls_back_to_eager(monke
     assert runner.prepare(step).graph_shape is None
     decodes = [(_seq(words[:20], 19, blocks), 1)]
     assert runner.prepare(decodes).graph_shape is not None  # decode graphs stay
+
+
+def test_models_whose_rope_tables_change_with_the_positions_get_no_graphs():
+    """transformers recomputes dynamic and longrope tables when the positions pass its cache, reading the largest
+    position on the host: a capture fails on that sync (the engine would not start), and a replay would keep stale
+    tables."""
+    from transformers import LlamaConfig
+
+    assert graphs_unsupported(LlamaConfig()) is None
+    assert graphs_unsupported(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                        "original_max_position_embeddings": 8192,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0})) is None
+    assert "dynamic" in graphs_unsupported(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert "longrope" in graphs_unsupported(LlamaConfig(
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                      "original_max_position_embeddings": 2048}, max_position_embeddings=8192))
 
 
 def test_buckets():
