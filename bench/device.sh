@@ -127,41 +127,41 @@ main() {
   # paged attention and the fused RoPE kernels compiled (skipped with --cpu).
   [ "$CPU" = 1 ] || step gpu-tests 130 bash -c "set -o pipefail; '$PYTHON' -m pytest -q -p no:cacheprovider \
 tests/test_engine_cuda.py tests/test_paged_triton.py tests/test_rope_triton.py | tee '$OUT/gpu-tests.txt'"
-  # One layer's attention by each kernel (gather + flash, paged Triton) on each shape's heads.
-  step attention 60 bash -c "set -o pipefail; '$PYTHON' bench/attention.py $ATTENTION_ARGS \
---result-json '$OUT/attention.json' | tee '$OUT/attention.txt'"
   # Budgets: about 470 s in all on the H200; a step that overruns only shortens the ones after it, so the steps
-  # run in the order of what matters most: the 135M shape (engine, step split, end to end), then the 8B, then the
-  # front end alone, then the 1B.
+  # run in the order of what the targets need: the 135M shape's engine and end to end with 1 and 4 API servers,
+  # the 8B's engine and end to end, the front end alone, the step split; then the variants and the rest.
   # shellcheck disable=SC2086
   engine_step engine "$MODEL_DIR" 100 $ENGINE_ARGS $CLOSED_LOOP_ARGS
-  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle (with async scheduling, also the 15
-  # costliest GPU operations: what the fused RoPE and the paged kernel left); asynchronous scheduling on and off.
-  profile_step profile "$MODEL_DIR" on --kernels 15
-  profile_step profile-sync "$MODEL_DIR" off
   serve_step serve "$MODEL_DIR" 100 "$SUPERVISE_ARGS" $SERVE_ARGS
-  # The same with every event through the app's send and each socket write made at once (no batch per loop pass):
-  # what the two gain the one server.
-  serve_step serve-through-send "$MODEL_DIR" 60 "$SUPERVISE_ARGS --no-direct-stream-events --no-write-batching" \
-    $SERVE_ARGS
   [ "$CPU" = 1 ] || serve_step serve-4-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 4" $SERVE_ARGS
-  # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
-  # the API servers' intake of each wave of new requests.
-  [ "$CPU" = 1 ] || serve_step serve-8-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 8" $SERVE_ARGS
   for shape in $SHAPES; do
     [ "$shape" = llama-3.1-8b ] || continue
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS
     serve_step "serve-$shape" "bench/models/$shape" 90 "$SHAPE_SUPERVISE_ARGS" $SHAPE_SERVE_ARGS
   done
-  # With a py-spy profile of its one API server: where the one-server gap goes (the table at the end of serve's
-  # output). A run of its own: py-spy stops the process to sample it, which costs it CPU the figures above must not carry.
-  serve_step serve-profiled "$MODEL_DIR" 60 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
-  # The closed loop again with graphs for decode-only steps only: what the graphs of steps with prompt tokens gain.
-  [ "$CPU" = 1 ] || engine_step loop-decode-graphs-only "$MODEL_DIR" 60 $ENGINE_ARGS $CLOSED_LOOP_ARGS \
-    --cuda-graph-max-tokens 0 --no-hf --no-single
   # shellcheck disable=SC2086
   step frontend 100 "$PYTHON" bench/frontend.py $FRONTEND_ARGS --result-json "$OUT/frontend.json" \
     --plot "$OUT/frontend.png"
+  # Where a decode step of 256 sequences goes: host phases, GPU time, GPU idle (with async scheduling, also the 15
+  # costliest GPU operations: what the fused RoPE and the paged kernel left); asynchronous scheduling on and off.
+  profile_step profile "$MODEL_DIR" on --kernels 15
+  profile_step profile-sync "$MODEL_DIR" off
+  # The same with every event through the app's send and each socket write made at once (no batch per loop pass):
+  # what the two gain the one server.
+  serve_step serve-through-send "$MODEL_DIR" 60 "$SUPERVISE_ARGS --no-direct-stream-events --no-write-batching" \
+    $SERVE_ARGS
+  # 8 API servers, as operators run it: if this one reaches the engine's closed loop where 1 and 4 do not, the gap is
+  # the API servers' intake of each wave of new requests.
+  [ "$CPU" = 1 ] || serve_step serve-8-servers "$MODEL_DIR" 80 "$SUPERVISE_ARGS --api-server-count 8" $SERVE_ARGS
+  # With a py-spy profile of its one API server: where the one-server gap goes (the table at the end of serve's
+  # output). A run of its own: py-spy stops the process to sample it, which costs it CPU the figures above must not carry.
+  serve_step serve-profiled "$MODEL_DIR" 60 "$SUPERVISE_ARGS" $SERVE_ARGS --profile-api-server "$OUT/serve-profile.txt"
+  # One layer's attention by each kernel (gather + flash, paged Triton) on each shape's heads.
+  step attention 60 bash -c "set -o pipefail; '$PYTHON' bench/attention.py $ATTENTION_ARGS \
+--result-json '$OUT/attention.json' | tee '$OUT/attention.txt'"
+  # The closed loop again with graphs for decode-only steps only: what the graphs of steps with prompt tokens gain.
+  [ "$CPU" = 1 ] || engine_step loop-decode-graphs-only "$MODEL_DIR" 60 $ENGINE_ARGS $CLOSED_LOOP_ARGS \
+    --cuda-graph-max-tokens 0 --no-hf --no-single
   for shape in $SHAPES; do
     [ "$shape" != llama-3.1-8b ] || continue
     engine_step "engine-$shape" "bench/models/$shape" 90 $SHAPE_ENGINE_ARGS

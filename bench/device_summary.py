@@ -199,11 +199,17 @@ def _closed_loop_rate(path: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+
+
 def shapes(out_dir: str, prefix: str, suffix: str) -> list[tuple[str, str]]:
-    """(shape, path) of OUT_DIR's PREFIX[-SHAPE]SUFFIX files, the unnamed (135M) shape first."""
+    """(shape, path) of OUT_DIR's PREFIX[-SHAPE]SUFFIX files, the unnamed (135M) shape first; SHAPE is one of
+    bench/models' (serve-4-servers.json and the like are variants of the 135M run, not shapes)."""
     found = [("", os.path.join(out_dir, prefix + suffix))]
     for path in sorted(glob.glob(os.path.join(out_dir, f"{prefix}-*{suffix}"))):
-        found.append((os.path.basename(path)[len(prefix) + 1:-len(suffix)], path))
+        shape = os.path.basename(path)[len(prefix) + 1:-len(suffix)]
+        if os.path.isdir(os.path.join(MODELS_DIR, shape)):
+            found.append((shape, path))
     return found
 
 
