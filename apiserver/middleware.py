@@ -124,8 +124,10 @@ class ApiKeyMiddleware:
 
 
 class RequestIdMiddleware:
-    """--enable-request-id-headers: every response carries X-Request-Id, the client's or a new one, and the
-    generation endpoints use the same id for the response `id`."""
+    """--enable-request-id-headers: every response carries X-Request-Id. It is the id the request went by: the
+    client's header, else (on the generation endpoints) the body's `request_id`, else a new one. The endpoint
+    settles it while it reads the body (GenerationServing.request_id, into the scope), so the header is made
+    when the response starts."""
 
     def __init__(self, app):
         self.app = app
@@ -133,19 +135,15 @@ class RequestIdMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = None
         for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                request_id = value.decode("latin-1")
+            if name == b"x-request-id" and value:
+                scope[REQUEST_ID_SCOPE_KEY] = value.decode("latin-1")
                 break
-        if not request_id:
-            request_id = os.urandom(16).hex()
-        scope[REQUEST_ID_SCOPE_KEY] = request_id
-        header = (b"x-request-id", request_id.encode("latin-1"))
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
+                request_id = scope.get(REQUEST_ID_SCOPE_KEY) or os.urandom(16).hex()
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -9,19 +9,26 @@ SDKs do, pass; any real value is refused with a message that names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator, model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 JsonObject = dict  # any JSON object (a schema, a function's parameters)
+T = TypeVar("T")
 
-# OpenAI fields accepted only as null: a value asks for something this server does not do.
+# OpenAI fields accepted only as null (or a value that asks for nothing: see _SamplingFields): a value asks for
+# something this server does not do.
 UNSUPPORTED_FIELDS = (
     "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
-    "web_search_options", "suffix", "best_of", "metadata", "service_tier", "refusal", "annotations",
+    "web_search_options", "suffix", "best_of", "service_tier", "refusal", "annotations",
 )
 
+
+# An unsupported field's value that asks for nothing: an empty object or list.
+NoValue = Annotated[T, Field(max_length=0)]
 
 # A JSON number (an int is fine too), never a string or a bool.
 StrictNumber = Annotated[float, Field(strict=True)]
@@ -32,15 +39,30 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # and below the vocabulary's size, checked later
+MAX_REQUEST_ID_LENGTH = 256  # the body's `request_id`, and the X-Request-Id header (apiserver.serving)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _default_if_null(cls, value, info: ValidationInfo):
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
+def nulls_mean_default(*fields: str):
+    """A validator reading null in `fields` as the field's default. OpenAI's schema gives these as "X or null,
+    defaults to ...", and SDKs that write every field send null for what the user left unset (vLLM reads it so
+    too); the other fields' types say None themselves. Each model names its own, under a name of its own (a
+    subclass's validator of the same name would replace its base's)."""
+    return field_validator(*fields, mode="before")(classmethod(_default_if_null))
+
+
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+    stream_options_nulls = nulls_mean_default("include_usage", "continuous_usage_stats")
 
 
 class JsonSchemaFormat(_Strict):
@@ -155,7 +177,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: Int64 = 0
-    request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    request_id: StrictStr | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LENGTH)
     data_parallel_rank: StrictInt | None = Field(None, ge=0, le=INT32_MAX)  # smg's pin (X-data-parallel-rank's)
 
     # Fields vllm-router adds to every request it forwards (SGLang's names), accepted at the values it sends,
@@ -166,16 +188,28 @@ class _SamplingFields(_Strict):
     return_hidden_states: Literal[False] | None = None
     include_reasoning: Literal[True] | None = None
 
-    logit_bias: None = None
-    functions: None = None
+    sampling_nulls = nulls_mean_default("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                                        "skip_special_tokens", "priority")
+
+    # Unsupported, but also accepted at values that ask for nothing, which some clients send by default (legacy
+    # LangChain's logit_bias {}); `metadata` only labels a request for OpenAI's stored completions, as `user` does.
+    logit_bias: NoValue[dict] | None = None
+    functions: NoValue[list] | None = None
     function_call: None = None
     audio: None = None
     modalities: None = None
     prediction: None = None
     reasoning_effort: None = None
     web_search_options: None = None
-    metadata: None = None
-    service_tier: None = None
+    metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
+    service_tier: Literal["auto", "default"] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options_without_stream", "allowed only when `stream` is true")
+        return value
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -191,6 +225,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
 
+    chat_nulls = nulls_mean_default("logprobs", "add_generation_prompt", "continue_final_message")
+
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -201,13 +237,17 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: None = None
-    best_of: None = None
+    best_of: Literal[1] | None = None  # one candidate per choice: what is done anyway
+
+    completion_nulls = nulls_mean_default("echo")
 
 
 class TokenizeCompletionRequest(_Strict):
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True
+
+    tokenize_nulls = nulls_mean_default("add_special_tokens")
 
 
 class TokenizeChatRequest(_Strict):
@@ -217,6 +257,8 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
     add_special_tokens: StrictBool = False
+
+    tokenize_chat_nulls = nulls_mean_default("add_generation_prompt", "continue_final_message", "add_special_tokens")
 
 
 class DetokenizeRequest(_Strict):

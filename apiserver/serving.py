@@ -15,10 +15,10 @@ from apiserver.engine_client import EngineDeadError, RequestAborted, UnknownRank
 from apiserver.errors import CLIENT_CLOSED_REQUEST, InvalidRequest, ModelNotFound
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun
-from apiserver.protocol import INT64_MAX, INT64_MIN
+from apiserver.protocol import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_LENGTH
 from apiserver.streaming import ChunkWriter, EventStreamResponse
 
-REQUEST_ID_SCOPE_KEY = "supervise.request_id"  # set by the request-id middleware when it made or read one
+REQUEST_ID_SCOPE_KEY = "supervise.request_id"  # the id a request goes by, once read or made (see request_id)
 _PRIORITY_HEADERS = ("x-priority", "x-vllm-priority")
 RANK_HEADER = "x-data-parallel-rank"  # vLLM's: pins a request to one data-parallel rank
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; more than 19 is past 64 bits anyway
@@ -42,9 +42,15 @@ class GenerationServing:
     # Request identity.
     @staticmethod
     def request_id(request: Request, body_request_id: str | None) -> str:
-        """X-Request-Id wins over the body's `request_id`; else a new random one."""
-        rid = request.scope.get(REQUEST_ID_SCOPE_KEY) or request.headers.get("x-request-id") or body_request_id
-        return rid or os.urandom(16).hex()
+        """X-Request-Id wins over the body's `request_id`; else a new random one. Kept in the scope, where
+        --enable-request-id-headers' middleware finds the id to echo."""
+        header = request.scope.get(REQUEST_ID_SCOPE_KEY) or request.headers.get("x-request-id")
+        if header is not None and len(header) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidRequest(f"The X-Request-Id header must be at most {MAX_REQUEST_ID_LENGTH} characters "
+                                 f"long, not {len(header)}.", param="x-request-id")
+        rid = header or body_request_id or os.urandom(16).hex()
+        request.scope[REQUEST_ID_SCOPE_KEY] = rid
+        return rid
 
     @staticmethod
     def priority(request: Request, body_priority: int) -> int:

@@ -68,7 +68,13 @@ class CompletionServing(GenerationServing):
             grammar = checked(grammar, "response_format" if req.structured_outputs is None else "structured_outputs")
         prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
-        max_tokens = min(max_tokens_for(len(p), req.max_tokens, max_model_len, "prompt") for p in prompts)
+        # OpenAI's default of 16 is a budget the client did not ask for: a long prompt shrinks it to the room it
+        # leaves (as vLLM's does) rather than being refused for tokens nobody requested.
+        implicit = "max_tokens" not in req.model_fields_set
+        requested = None if implicit else req.max_tokens
+        max_tokens = min(max_tokens_for(len(p), requested, max_model_len, "prompt") for p in prompts)
+        if implicit:
+            max_tokens = min(max_tokens, req.max_tokens)
         top_n = req.logprobs or 0
         echo_logprobs = req.echo and req.logprobs is not None
         sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size,

@@ -21,7 +21,10 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
     error = max(exc.errors(include_url=False, include_input=False), key=_specificity)
     kind = error["type"]
     if kind == "json_invalid":
-        return InvalidRequest(f"The request body is not valid JSON: {error['ctx']['error']}")
+        reason = error["ctx"]["error"]
+        if "hex escape" in reason:  # jiter's words for a \uD800-\uDFFF escape without its other half
+            reason += " (an escape from \\uD800 to \\uDFFF is half of a UTF-16 surrogate pair and needs its other half)"
+        return InvalidRequest(f"The request body is not valid JSON: {reason}")
     if kind == "model_type" and not error["loc"]:
         return InvalidRequest("The request body must be a JSON object.")
     loc = error["loc"]
@@ -32,7 +35,7 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"Unsupported field: `{path}` is not a parameter this server accepts.", param=path)
     if kind == "missing":
         return InvalidRequest(f"Missing required field: `{path}`.", param=path)
-    if field in UNSUPPORTED_FIELDS and len(loc) == 1:
+    if field in UNSUPPORTED_FIELDS and path == field:
         return InvalidRequest(f"Unsupported field: `{field}` is not supported by this server.", param=field)
     return InvalidRequest(f"Invalid value for `{path}`: {error['msg']}.", param=path)
 

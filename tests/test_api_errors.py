@@ -88,6 +88,64 @@ def test_unsupported_fields_sent_as_null_pass(http):
     assert chat(http, max_tokens=1, tools=None, logit_bias=None, functions=None).status_code == 200
 
 
+def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
+    """What some clients send by default (legacy LangChain: logit_bias {}); anything more is still refused."""
+    response = chat(http, max_tokens=1, logit_bias={}, functions=[], metadata={"team": "search"}, service_tier="auto")
+    assert response.status_code == 200, response.text
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "best_of": 1})
+    assert response.status_code == 200, response.text
+    for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1})):
+        assert field in assert_error(chat(http, **{field: value}), 400)["param"]
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
+
+
+def test_stream_options_only_with_a_stream(http):
+    error = assert_error(chat(http, max_tokens=1, stream_options={"include_usage": True}), 400, "stream_options")
+    assert "stream" in error["message"]
+    assert chat(http, max_tokens=1, stream=True, stream_options={"include_usage": True}).status_code == 200
+
+
+def test_a_lone_surrogate_escape_is_named(http):
+    """JSON.stringify writes one for a string cut inside an emoji; the 400 says what it is."""
+    body = b'{"model": "sim:2", "messages": [{"role": "user", "content": "cut \\ud83d"}]}'
+    error = assert_error(http.post("/v1/chat/completions", content=body,
+                                   headers={"content-type": "application/json"}), 400)
+    assert "surrogate pair" in error["message"]
+
+
+def test_null_is_the_default_where_openai_says_or_null(http):
+    """SDKs that write every field send null for what was left unset: each such field reads as left out."""
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "ignore_eos", "min_tokens", "priority", "skip_special_tokens",
+                           "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"))
+    response = chat(http, max_tokens=2, stream_options=None, **nulls)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": None,
+                                                  "stream": None, "echo": None})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1 and response.json()["usage"]["prompt_tokens"] == 1
+    tokens = http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": None})
+    assert tokens.status_code == 200 and tokens.json()["count"] == 1
+    assert_error(chat(http, n=0), 400, "n")  # a value is still checked
+
+
+def test_the_default_completion_budget_shrinks_to_the_room_left(http):
+    """OpenAI's default of 16 tokens was not asked for: a prompt 2 tokens short of the context gets 2, not a 400
+    blaming "16 in the completion"; asked for explicitly, 16 is still refused, and a full prompt always."""
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": [100] * 510})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == 2 and body["choices"][0]["finish_reason"] == "length"
+    short = http.post("/v1/completions", json={"model": MODEL, "prompt": [100] * 10, "ignore_eos": True}).json()
+    assert short["usage"]["completion_tokens"] == 16
+    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [100] * 510, "max_tokens": 16}),
+                         400, "max_tokens")
+    assert "16 in the completion" in error["message"]
+    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [100] * 512}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+
+
 def test_model_missing_or_unknown(http):
     assert_error(http.post("/v1/chat/completions", json={"messages": HELLO}), 400, "model")
     error = assert_error(chat(http, model="gpt-4"), 404, "model")

@@ -93,6 +93,27 @@ def test_request_id_header_is_echoed_and_used(guarded):
     assert len(fresh) >= 16
 
 
+@pytest.mark.parametrize("path, body, prefix", [
+    ("/chat/completions", CHAT, "chatcmpl-"),
+    ("/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, "cmpl-"),
+    ("/chat/completions", {**CHAT, "stream": True}, "chatcmpl-"),
+])
+def test_the_echoed_request_id_is_the_one_the_request_went_by(guarded, path, body, prefix):
+    """Without the header, the body's `request_id` is the id (as without the echo), and the header sent back says
+    so; the header still wins over the body's; a header longer than the body's limit is refused like it."""
+    by_body = httpx.post(guarded.base_url + path, json={**body, "request_id": "from-body"}, headers=auth(), timeout=30)
+    assert by_body.status_code == 200, by_body.text
+    assert by_body.headers["x-request-id"] == "from-body"
+    assert f'"id":"{prefix}from-body"' in by_body.text.replace(" ", "")
+    by_header = httpx.post(guarded.base_url + path, json={**body, "request_id": "from-body"},
+                           headers={"X-Request-Id": "from-header", **auth()}, timeout=30)
+    assert by_header.headers["x-request-id"] == "from-header"
+    assert f'"id":"{prefix}from-header"' in by_header.text.replace(" ", "")
+    too_long = httpx.post(guarded.base_url + path, json=body, headers={"X-Request-Id": "r" * 257, **auth()}, timeout=30)
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "x-request-id"
+
+
 def test_user_middleware_class_and_function(guarded):
     response = httpx.get(guarded.url + "/health", timeout=10)
     assert response.headers["x-stamp"] == "class"
