@@ -15,7 +15,7 @@ from starlette.requests import Request
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
-from apiserver.logprobs import LogprobFormatter
+from apiserver.logprobs import LogprobFormatter, TextOffsets
 from apiserver.prompt_offload import encode
 from apiserver.protocol import CompletionRequest
 from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
@@ -111,7 +111,8 @@ class CompletionServing(GenerationServing):
             choices.append({
                 "index": delta.index,
                 "text": text,
-                "logprobs": None if entries is None else self.logprobs.completion(entries, top_n, 0),
+                "logprobs": None if entries is None else self.logprobs.completion(entries, top_n,
+                                                                                  self.logprobs.offsets()),
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
             })
@@ -137,7 +138,7 @@ class CompletionChunkWriter(ChunkWriterBase):
         self._top_n = top_n
         self._echoes = echoes
         self._echo_logprobs = echo_logprobs
-        self._text_offsets: dict[int, int] = {}  # choice index -> where its next token's text starts
+        self._text_offsets: dict[int, TextOffsets] = {}  # choice index -> where its next token's text starts
 
     def first(self, generation: Generation) -> bytes:
         if self._echoes is None or self._echo_logprobs:
@@ -165,7 +166,7 @@ class CompletionChunkWriter(ChunkWriterBase):
         return self._logprobs_json(delta.index, delta.logprobs)
 
     def _logprobs_json(self, index: int, entries: list) -> bytes:
-        offset = self._text_offsets.get(index, 0)
-        formatted = self._logprobs.completion(entries, self._top_n, offset)
-        self._text_offsets[index] = offset + sum(len(t) for t in formatted["tokens"])
-        return orjson.dumps(formatted)
+        offsets = self._text_offsets.get(index)
+        if offsets is None:
+            offsets = self._text_offsets[index] = self._logprobs.offsets()
+        return orjson.dumps(self._logprobs.completion(entries, self._top_n, offsets))

@@ -149,3 +149,32 @@ def test_chat_top_logprobs_are_the_n_likeliest_only(client, model):
     assert any(entry.top_logprobs[0].token != entry.token for entry in content)  # sampled off the top at least once
     none = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, logprobs=True)
     assert all(entry.top_logprobs == [] for entry in none.choices[0].logprobs.content)
+
+
+def test_logprobs_of_tokens_inside_a_character_rebuild_the_text(client, model):
+    """SmolLM2 spends three tokens on 🎉 and two on some CJK characters: each such token's text is U+FFFD, but
+    chat's `bytes` are the token's own (joined, they are the reply's UTF-8, what OpenAI documents them for), and
+    completions' `text_offset` stays inside the text: a token starts where the characters before it end."""
+    reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, logprobs=True,
+                                           top_logprobs=2, extra_body={"structured_outputs": {"choice": ["🎉日本🎉"]}})
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == "🎉日本🎉"
+    assert any(entry.token == "\ufffd" for entry in content)  # fragments there are
+    assert b"".join(bytes(entry.bytes) for entry in content) == "🎉日本🎉".encode()
+    assert all(top.bytes for entry in content for top in entry.top_logprobs)
+    prompt = "日本語のテキスト: 🎉 and more"
+    for stream in (False, True):
+        args = dict(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=4, temperature=0)
+        if stream:
+            events = list(client.completions.create(stream=True, **args))
+            text = "".join(c.text for e in events for c in e.choices)
+            tokens = [t for e in events for c in e.choices if c.logprobs for t in c.logprobs.tokens]
+            offsets = [o for e in events for c in e.choices if c.logprobs for o in c.logprobs.text_offset]
+        else:
+            whole = client.completions.create(**args).choices[0]
+            text, tokens, offsets = whole.text, whole.logprobs.tokens, whole.logprobs.text_offset
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), (offsets, len(text))  # <= : an EOS's
+        for token, offset in zip(tokens, offsets):
+            if "\ufffd" not in token and not token.startswith("<|"):  # a special token's text is not in the text
+                assert text[offset:offset + len(token)] == token, (token, offset, text)
+        assert text[offsets[tokens.index(" and")]:].startswith(" and more")
