@@ -32,8 +32,11 @@ def message(text: str, shape: OutputShape, finish_reason: str | None) -> tuple[d
             out["content"] = None  # it reasoned until the end (max_tokens)
     if shape.tool_parser is not None:
         parsed = shape.tool_parser.parse(content, final=True)
-        if parsed.calls:
+        if parsed.calls or (content and not parsed.content):
+            # Text the parser read as calls is not content, also when no call in it is whole yet (a forced
+            # call cut off by max_tokens after its "["): what a stream of the same text sent as content, none.
             out["content"] = parsed.content or None
+        if parsed.calls:
             out["tool_calls"] = tool_calls_json(parsed.calls)
             if finish_reason == "stop":
                 finish_reason = "tool_calls"

@@ -84,6 +84,19 @@ def test_required_with_two_tools_whole_and_streamed(client, model):
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 6])
+def test_a_forced_call_cut_off_by_max_tokens_is_no_content_whole_or_streamed(client, model, max_tokens):
+    """The grammar's "[" and what follows are the call's text, never content: the whole answer says what the
+    stream said (no content, finish "length")."""
+    args = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens,
+                temperature=0)
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert not "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_round_trip_call_tool_answer(client, model):
     called = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=40, temperature=0)
