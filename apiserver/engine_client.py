@@ -28,6 +28,7 @@ import zmq
 
 from apiserver.engine_loads import EngineLoads, GroupInFlight
 from ipc import codec
+from ipc import grammar as grammars
 from ipc.curve import CurveKeys
 from ipc.launch import ApiServerLaunch
 from ipc.messages import AbortRequests, EngineDead, EngineOutputs, EngineRequest, UtilityCall, UtilityResult
@@ -52,8 +53,27 @@ class UnknownRank(ValueError):
 
 
 class EngineRequestError(Exception):
-    """The engine failed one of a request's sequences (FinishReason.ERROR); the message is its reason. Here
-    with the engine's other errors, so that the error table (apiserver/errors.py) needs no detokenizer."""
+    """The engine failed one of a request's sequences (FinishReason.ERROR); the message is its reason, whole
+    (the log gets it; the client a first line: apiserver/errors.py). Here with the engine's other errors, so
+    that the error table needs no detokenizer."""
+
+    def __init__(self, reason: str, request_id: str | None = None, param: str | None = None):
+        super().__init__(reason)
+        self.request_id = request_id
+        self.param = param
+
+
+class GrammarFailed(EngineRequestError):
+    """The request's grammar failed in the engine (ipc.grammar.engine_error): the request's fault, a 400 whose
+    `param` is the field the grammar came from."""
+
+
+def request_error(out, param: str | None = None) -> EngineRequestError:
+    """The exception for an engine output that failed its request (FinishReason.ERROR); `param`: the request's
+    field that gave its grammar."""
+    reason = out.error or "no reason given"
+    kind = GrammarFailed if grammars.is_engine_error(out.error) else EngineRequestError
+    return kind(reason, out.request_id, param)
 
 
 class RequestAborted(Exception):

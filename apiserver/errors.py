@@ -7,12 +7,18 @@ traceback goes to the log (uvicorn's "Exception in ASGI application"), never to 
 """
 from __future__ import annotations
 
+import logging
+
 import orjson
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from apiserver.engine_client import EngineDeadError, EngineRequestError, UnknownRank
+from apiserver.engine_client import EngineDeadError, EngineRequestError, GrammarFailed, UnknownRank
+from ipc import grammar
+from ipc.messages import error_summary
+
+log = logging.getLogger(__name__)
 
 # nginx's status for a client that closed the connection before it was answered: nobody reads the answer,
 # but /metrics counts it as the client's doing (4xx), not the server's.
@@ -21,6 +27,9 @@ CLIENT_CLOSED_REQUEST = 499
 # shortest wait that still backs off, and requests in flight free their places within seconds. The openai
 # client honours it instead of its own back-off.
 RETRY_AFTER_SECONDS = "1"
+# The id a request goes by, in its scope: the X-Request-Id header's (the request-id middleware reads it), else the one
+# the generation endpoints settle (GenerationServing.request_id); a 5xx is logged under it.
+REQUEST_ID_SCOPE_KEY = "supervise.request_id"
 
 
 class ApiError(Exception):
@@ -91,8 +100,13 @@ _TABLE = {
         f"The engine is not available: {exc}", status=503, type="service_unavailable_error"),
     UnknownRank: lambda exc: ApiError(
         f"{exc}.", param="x-data-parallel-rank", code="unknown_data_parallel_rank"),
+    # A library's reason may run to pages (llguidance's parser state, the whole grammar): the client gets its first
+    # line, the log the whole (log_server_error).
+    GrammarFailed: lambda exc: InvalidRequest(
+        f"Invalid `{exc.param or 'structured_outputs'}`: {grammar.short_reason(str(exc))}", param=exc.param,
+        code="invalid_structured_output"),
     EngineRequestError: lambda exc: ApiError(
-        f"The engine failed this request: {exc}", status=500, type="internal_server_error"),
+        f"The engine failed this request: {error_summary(str(exc))}", status=500, type="internal_server_error"),
     ClientDisconnect: lambda exc: ApiError(
         "The client closed the connection before its request was read.", status=CLIENT_CLOSED_REQUEST,
         type="client_closed_request"),
@@ -135,8 +149,25 @@ def error_response(exc: ApiError) -> Response:
     return Response(orjson.dumps(error_body(exc)), exc.status, exc.headers, media_type="application/json")
 
 
+def log_server_error(error: ApiError, exc: BaseException, request_id: str | None, where: str) -> None:
+    """One WARNING line for a 5xx the server answers, with the request's id and the whole reason (its line breaks
+    as \\n), so that an operator who sees 5xx in /metrics finds why. Not for an admission 503 (Overloaded): that
+    is the designed answer to load, counted in /metrics, and a line for each would turn a burst into a flood."""
+    if error.status >= 500 and not isinstance(error, Overloaded):
+        reason = str(exc) if isinstance(exc, EngineRequestError) else error.message
+        log.warning("%s %s: %d %s: %s", where, request_id or "(no request id)", error.status, error.type,
+                    reason.strip().replace("\n", "\\n"))
+
+
+def answer_id(request, exc: BaseException) -> str | None:
+    """The request id to log an answer under: the engine's for a request it ran, else the client's header."""
+    return getattr(exc, "request_id", None) or request.scope.get(REQUEST_ID_SCOPE_KEY) or request.headers.get("x-request-id")
+
+
 async def _answer(request, exc: Exception) -> Response:
-    return error_response(as_api_error(exc))
+    error = as_api_error(exc)
+    log_server_error(error, exc, answer_id(request, exc), f"{request.method} {request.url.path}")
+    return error_response(error)
 
 
 def exception_handlers() -> dict:

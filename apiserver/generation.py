@@ -14,7 +14,7 @@ import time
 from typing import NamedTuple
 
 from apiserver.detokenizer import IncrementalDetokenizer
-from apiserver.engine_client import EngineClient, EngineRequestError, RequestAborted, RequestStream
+from apiserver.engine_client import EngineClient, RequestAborted, RequestStream, request_error
 from ipc.messages import FinishReason
 from ipc.sampling import SamplingParams
 
@@ -78,9 +78,13 @@ class Generation:
         include_stop_str_in_output: bool,
         tokenizer,
         rank: int | None = None,
+        grammar_param: str | None = None,
     ):
-        """`rank`: the data-parallel rank to run on (X-data-parallel-rank); None: the least loaded."""
+        """`rank`: the data-parallel rank to run on (X-data-parallel-rank); None: the least loaded.
+        `grammar_param`: the request's field that gave sampling.grammar, named by a 400 if it fails in the engine."""
         self._engine = engine
+        self.request_id = request_id
+        self.grammar_param = grammar_param
         self._rank = rank
         self.prompts = prompts
         self.sampling = sampling
@@ -165,7 +169,7 @@ class Generation:
             if out.finish_reason == FinishReason.ERROR:
                 choice.finish_reason = FinishReason.ERROR
                 self._unfinished -= 1
-                raise EngineRequestError(out.error or "no reason given")
+                raise request_error(out, self.grammar_param)
             new = out.new_token_ids
             if out.num_cached_tokens and choice.num_tokens == 0 and choice.index % self.sampling.n == 0:
                 self.num_cached_tokens += out.num_cached_tokens

@@ -18,9 +18,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 
-from apiserver.errors import RequestTooLarge, Unauthorized, error_body, error_response
+from apiserver.errors import REQUEST_ID_SCOPE_KEY, RequestTooLarge, Unauthorized, error_body, error_response
 from apiserver.metrics import Metrics
-from apiserver.serving import REQUEST_ID_SCOPE_KEY
 from ipc.config import ServeConfig
 
 log = logging.getLogger(__name__)

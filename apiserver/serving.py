@@ -12,13 +12,12 @@ from starlette.responses import Response
 
 from apiserver.context import ServerContext
 from apiserver.engine_client import EngineDeadError, RequestAborted, UnknownRank
-from apiserver.errors import CLIENT_CLOSED_REQUEST, InvalidRequest, ModelNotFound
+from apiserver.errors import CLIENT_CLOSED_REQUEST, REQUEST_ID_SCOPE_KEY, InvalidRequest, ModelNotFound
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun
 from apiserver.protocol import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_LENGTH
 from apiserver.streaming import ChunkWriter, EventStreamResponse
 
-REQUEST_ID_SCOPE_KEY = "supervise.request_id"  # the id a request goes by, once read or made (see request_id)
 _PRIORITY_HEADERS = ("x-priority", "x-vllm-priority")
 RANK_HEADER = "x-data-parallel-rank"  # vLLM's: pins a request to one data-parallel rank
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; more than 19 is past 64 bits anyway

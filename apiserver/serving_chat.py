@@ -77,7 +77,7 @@ class ChatServing(GenerationServing):
             raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
         ctx = self.ctx
         tools = tool_plan(req, ctx.config)
-        grammar = requested_grammar(req)
+        grammar = requested_grammar(req, ctx.config.max_structured_output_choices)
         if grammar is not None and tools.grammar is not None:
             raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `response_format` or "
                                  "`structured_outputs`.", param="tool_choice")
@@ -94,11 +94,13 @@ class ChatServing(GenerationServing):
         shape = self._output_shape(prompt, tools.parser)
         if tools.grammar is not None:
             grammar = tools.grammar
+        grammar_param = None
         if grammar is not None:
             if shape is not None and shape.reasoning:
                 grammar = self.reasoning.constrain(grammar, shape.opened)
-            grammar = checked(grammar, "tools" if tools.grammar is not None else
-                              "structured_outputs" if req.structured_outputs is not None else "response_format")
+            grammar_param = ("tools" if tools.grammar is not None else
+                             "structured_outputs" if req.structured_outputs is not None else "response_format")
+            grammar = checked(grammar, grammar_param)
         top_n = req.top_logprobs or 0
         sampling = sampling_params(
             req, ctx.model.generation_defaults, max_tokens, top_n if req.logprobs else None, ctx.model.vocab_size,
@@ -108,7 +110,7 @@ class ChatServing(GenerationServing):
         generation = Generation(
             ctx.engine, request_id, [prompt], sampling, self.priority(request, req.priority), stop_strings(req.stop),
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
-            self.data_parallel_rank(request, req.data_parallel_rank),
+            self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
         response_id = "chatcmpl-" + request_id
         created = int(time.time())

@@ -63,9 +63,11 @@ class CompletionServing(GenerationServing):
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequest("`max_tokens` must be at least 1 (0 only with `echo`).", param="max_tokens")
         ctx = self.ctx
-        grammar = requested_grammar(req)
+        grammar = requested_grammar(req, ctx.config.max_structured_output_choices)
+        grammar_param = None
         if grammar is not None:
-            grammar = checked(grammar, "response_format" if req.structured_outputs is None else "structured_outputs")
+            grammar_param = "response_format" if req.structured_outputs is None else "structured_outputs"
+            grammar = checked(grammar, grammar_param)
         prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
         # OpenAI's default of 16 is a budget the client did not ask for: a long prompt shrinks it to the room it
@@ -83,7 +85,7 @@ class CompletionServing(GenerationServing):
         generation = Generation(
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
-            self.data_parallel_rank(request, req.data_parallel_rank),
+            self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
         echoes = [self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id

@@ -22,7 +22,7 @@ import orjson
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
 from apiserver.engine_client import RequestAborted
-from apiserver.errors import as_api_error, error_body, is_expected
+from apiserver.errors import as_api_error, error_body, is_expected, log_server_error
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun
 
@@ -126,7 +126,9 @@ async def stream_events(
     except Exception as exc:
         if not is_expected(exc):
             log.error("unexpected error while streaming a response", exc_info=exc)
-        tail = error_event(as_api_error(exc)) + DONE
+        error = as_api_error(exc)
+        log_server_error(error, exc, getattr(exc, "request_id", None) or generation.request_id, "stream")
+        tail = error_event(error) + DONE
     yield tail
 
 

@@ -16,14 +16,15 @@ from ipc import grammar as grammars
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def requested_grammar(request) -> str | None:
-    """The grammar of the request's response_format or structured_outputs (not checked yet: see `checked`)."""
+def requested_grammar(request, max_choices: int | None = None) -> str | None:
+    """The grammar of the request's response_format or structured_outputs (not checked yet: see `checked`);
+    `max_choices`: the most strings a `choice` may list (--max-structured-output-choices)."""
     fmt = request.response_format
     extras = request.structured_outputs
     if fmt is not None and fmt.type != "text" and extras is not None:
         raise InvalidRequest("Give `response_format` or `structured_outputs`, not both.", param="structured_outputs")
     if extras is not None:
-        return _extras_grammar(extras)
+        return _extras_grammar(extras, max_choices)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -35,7 +36,7 @@ def requested_grammar(request) -> str | None:
     return _schema_grammar(schema, True, "response_format.json_schema.schema")
 
 
-def _extras_grammar(extras) -> str:
+def _extras_grammar(extras, max_choices: int | None) -> str:
     given = [kind for kind in _KINDS if getattr(extras, kind + "_" if kind == "json" else kind) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequest(
@@ -45,7 +46,7 @@ def _extras_grammar(extras) -> str:
     kind = given[0]
     value = getattr(extras, kind + "_" if kind == "json" else kind)
     try:
-        return grammars.from_constraint(kind, value, not extras.disable_any_whitespace)
+        return grammars.from_constraint(kind, value, not extras.disable_any_whitespace, max_choices)
     except grammars.GrammarError as exc:
         raise InvalidRequest(f"Invalid `structured_outputs.{kind}`: {exc}", param=f"structured_outputs.{kind}") from None
 

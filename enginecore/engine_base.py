@@ -257,6 +257,7 @@ class EngineBase:
             new, token_logprobs, finish, stop = [], None, FinishReason.LENGTH, None
         elif seq.grammar is not None and not seq.grammar.accept(token):  # the grammar refuses it: this choice fails
             new, token_logprobs, finish, stop, error = [], None, FinishReason.ERROR, None, seq.grammar.error
+            log.warning("request %s (choice %d) failed: %s", seq.request_id, seq.index, error)
         else:
             if position is None:
                 position = seq.num_tokens

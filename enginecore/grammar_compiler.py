@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from enginecore.engine_base import finished_at_once
 from enginecore.request_check import BadRequest, check_request
+from ipc import grammar as grammars
 from ipc.messages import FinishReason
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,12 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-            error = matcher.get_error() if matcher.is_error() else None
+            # Errors without llguidance's parser state and the whole grammar (ipc.grammar.engine_limits).
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=grammars.engine_limits())
+            error = grammars.short_reason(matcher.get_error()) if matcher.is_error() else None
             compiled = CompiledGrammar(None if error else matcher, error)
         except Exception as exc:  # a grammar llguidance refuses at the API level
-            compiled = CompiledGrammar(None, f"{type(exc).__name__}: {exc}")
+            compiled = CompiledGrammar(None, grammars.short_reason(f"{type(exc).__name__}: {exc}"))
         if compiled.error:
             log.warning("a grammar does not compile: %s", compiled.error)
         with self._lock:
@@ -90,6 +92,13 @@ class GrammarCompiler:
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def forget(self, grammar: str) -> None:
+        """Drop `grammar`'s compiled matcher: one of its copies failed (a limit of llguidance's lexer, say). The
+        copies share the lexer's state with it, so a later copy would find that state spent and allow nothing but
+        EOS, an empty output that looks complete; compiled afresh, the grammar fails the same way again."""
+        with self._lock:
+            self._cache.pop(grammar, None)
 
     def _llg_tokenizer(self):
         with self._lock:

@@ -21,7 +21,8 @@ Test hooks, documented because tests rely on them:
 - a request whose id contains `sim-engine-die` makes the next step raise, as a real engine bug would: every API
   server hears ENGINE_DEAD and the process exits 1;
 - a request whose id contains `sim-request-error` fails alone, as one the sampler cannot take does: its first step
-  answers each of its choices with an error output (FinishReason.ERROR and a reason), and the engine carries on;
+  answers each of its choices with an error output (FinishReason.ERROR and a reason of many lines, as a library
+  may write), and the engine carries on;
 - a request whose id contains `sim-slow-step-<seconds>` (e.g. `sim-slow-step-4` or `sim-slow-step-2.5`) makes the
   next step take that much longer, as a long prefill chunk on a slow CPU would: the engine is busy, not dead;
 - a request whose id contains `sim-engine-hang` makes the next step block forever (until SIGTERM), as a wedged
@@ -55,6 +56,9 @@ DIE_MARKER = "sim-engine-die"
 REQUEST_ERROR_MARKER = "sim-request-error"
 SLOW_STEP_MARKER = re.compile(r"sim-slow-step-(\d+(?:\.\d+)?)")
 HANG_MARKER = "sim-engine-hang"
+# REQUEST_ERROR_MARKER's reason: a first line, then pages of a library's internals (as llguidance appends its
+# parser state and the whole grammar), which the API server keeps for its log.
+SIMULATED_FAILURE = "simulated request failure\n<state>\n" + "internal state line\n" * 500 + "</state>"
 
 
 def is_simulated(model: str | None) -> bool:
@@ -147,7 +151,7 @@ class SimulatedEngine(EngineBase):
         outputs = []
         for key in self._failing:
             if key in self.requests:  # not aborted meanwhile
-                outputs += self.fail_request(key, "simulated request failure")
+                outputs += self.fail_request(key, SIMULATED_FAILURE)
         self._failing = []
         for seq in list(self.running.values()):
             if seq.pending_prompt_logprobs is not None and not seq.num_prompt_logprobs:

@@ -17,31 +17,42 @@ sampler. Grammars are compiled (off the step loop, cached) by enginecore/grammar
 """
 from __future__ import annotations
 
+import functools
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
 
 from enginecore.grammar_compiler import GrammarCompiler
 from enginecore.host_to_device import to_device
+from ipc import grammar as grammars
 
 
 class GrammarState:
-    """One sequence's matcher and how many of its output tokens it has taken."""
+    """One sequence's matcher and how many of its output tokens it has taken; `on_error` is called once the
+    matcher fails (GrammarCompiler.forget: its compiled grammar is not to be copied again)."""
 
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("matcher", "num_tokens", "on_error")
 
-    def __init__(self, matcher, num_tokens: int = 0):
+    def __init__(self, matcher, num_tokens: int = 0, on_error: Callable[[], None] | None = None):
         self.matcher = matcher
         self.num_tokens = num_tokens
+        self.on_error = on_error
 
     def fork(self) -> "GrammarState":
-        return GrammarState(self.matcher.deep_copy(), self.num_tokens)
+        return GrammarState(self.matcher.deep_copy(), self.num_tokens, self.on_error)
 
     def accept(self, token: int) -> bool:
-        """Advance by the sampled token; False when the grammar refuses it (the matcher is then in error)."""
+        """Advance by the sampled token; False when the matcher is in error: it refused the token, or it failed
+        before (a mask that hit one of llguidance's limits, or a grammar that allows nothing: a matcher in error
+        allows only EOS, and takes it, so without this check such an output would end as a complete one)."""
         self.num_tokens += 1
-        return self.matcher.consume_token(token)
+        if self.matcher.consume_token(token) and not self.matcher.is_error():
+            return True
+        if self.on_error is not None:
+            self.on_error()
+        return False
 
     def sync(self, num_output_tokens: int) -> None:
         """Roll back tokens the sequence no longer holds."""
@@ -56,7 +67,8 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error() or "the grammar refused the sampled token"
+        reason = self.matcher.get_error()
+        return grammars.engine_error(f"failed: {grammars.short_reason(reason)}" if reason else "refused the sampled token")
 
 
 class TokenMask:
@@ -117,10 +129,11 @@ class StructuredOutputs:
 
     def start(self, seq) -> str | None:
         """Give a new sequence its matcher (compiling its grammar now if no one has yet); the error otherwise."""
-        compiled = self.compiler.compile(seq.sampling.grammar)
+        grammar = seq.sampling.grammar
+        compiled = self.compiler.compile(grammar)
         if compiled.error is not None:
-            return f"the structured output grammar does not compile: {compiled.error}"
-        seq.grammar = GrammarState(compiled.matcher.deep_copy())
+            return grammars.engine_error(f"does not compile: {compiled.error}")
+        seq.grammar = GrammarState(compiled.matcher.deep_copy(), on_error=functools.partial(self.compiler.forget, grammar))
         self._live.add(seq)
         return None
 

@@ -62,6 +62,9 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # The most strings a structured output's `choice` may list (a 400 past it): the API server checks the list's
+    # grammar in its event loop and the engine compiles it, each some milliseconds per thousand strings.
+    max_structured_output_choices: int = 10_000
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False

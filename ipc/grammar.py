@@ -12,11 +12,15 @@ pass over the vocabulary per grammar) and computes a mask in microseconds on the
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
+from ipc.messages import error_summary
+
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer
     from llguidance._lib import JsonCompileOptions
 
 # Everything between the start of the output and the end of the reasoning: the shortest text that ends with the
@@ -26,6 +30,21 @@ _REASONING_RULES = 'reasoning[lazy]: /(?s:.*){end}/\nWS: /[ \\t\\r\\n]*/\n'
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message says what is wrong with it."""
+
+
+# How an engine's RequestOutput.error starts when the request's grammar failed there (it did not compile against
+# the tokenizer, or its matcher hit one of llguidance's limits on the way): the request's own fault, which an API
+# server answers as a 400 like the grammars its own check refuses, not as an engine failure (a 500).
+ENGINE_GRAMMAR_ERROR = "the structured output grammar "
+
+
+def engine_error(what: str) -> str:
+    """An engine's error for a request whose grammar failed: `what` says how ("does not compile: ...")."""
+    return ENGINE_GRAMMAR_ERROR + what
+
+
+def is_engine_error(error: str | None) -> bool:
+    return error is not None and error.startswith(ENGINE_GRAMMAR_ERROR)
 
 
 def _matcher() -> type[LLMatcher]:
@@ -57,10 +76,47 @@ def regex_grammar(pattern: str) -> str:
     return _matcher().grammar_from_regex(pattern)
 
 
-def choice_grammar(choices: list[str]) -> str:
+# A choice's characters, one level a character; the key "" marks where a choice ends.
+Trie = dict[str, "Trie"]
+
+
+def choice_grammar(choices: list[str], max_choices: int | None = None) -> str:
+    """Exactly one of `choices`, as one regex lexeme whose alternatives share their common prefixes (a trie):
+    llguidance refuses a Lark rule of 2,000 alternatives or more (its Earley row limit, nested rules or not),
+    while the trie's lexer stays small (10,000 labels compile in tens of milliseconds). `max_choices`: a longer
+    list is a GrammarError."""
     if not choices:
         raise GrammarError("the list of choices is empty")
-    return _matcher().grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if max_choices is not None and len(choices) > max_choices:
+        raise GrammarError(f"{len(choices):,} choices; at most {max_choices:,} are served "
+                           f"(--max-structured-output-choices)")
+    trie: Trie = {}
+    for choice in choices:
+        node = trie
+        for ch in choice:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a choice ends here
+    regex = _trie_regex(trie)
+    return _matcher().grammar_from_lark(f"start: /{regex}/" if regex else 'start: ""')
+
+
+def _trie_regex(node: Trie) -> str:
+    """The regex of the strings below `node` (iteratively: a choice may be thousands of characters long)."""
+    # Post-order walk: each node's regex once its children's are known.
+    done: dict[int, str] = {}
+    stack: list[tuple[Trie, bool]] = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if not expanded:
+            stack.append((current, True))
+            stack.extend((sub, False) for ch, sub in current.items() if ch)
+            continue
+        alternatives = [_lark_regex_literal(ch) + done.pop(id(sub)) for ch, sub in current.items() if ch]
+        regex = "(?:" + "|".join(alternatives) + ")" if len(alternatives) > 1 else "".join(alternatives)
+        if "" in current and regex:  # a choice ends here and others go on
+            regex = f"(?:{regex})?"
+        done[id(current)] = regex
+    return done[id(node)]
 
 
 def lark_grammar(text: str) -> str:
@@ -73,10 +129,10 @@ def lark_grammar(text: str) -> str:
         raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
-def from_constraint(kind: str, value: Any, any_whitespace: bool = True) -> str:
+def from_constraint(kind: str, value: Any, any_whitespace: bool = True, max_choices: int | None = None) -> str:
     """The grammar of one constraint by its name, as the API's extras (and the gRPC protocol's constraints) name
-    them: `json` (a schema, as an object or its JSON text), `json_object`, `regex`, `choice` (a list of strings),
-    `grammar` (Lark or GBNF). GrammarError for anything that cannot be one."""
+    them: `json` (a schema, as an object or its JSON text), `json_object`, `regex`, `choice` (a list of strings,
+    at most `max_choices`), `grammar` (Lark or GBNF). GrammarError for anything that cannot be one."""
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -89,7 +145,7 @@ def from_constraint(kind: str, value: Any, any_whitespace: bool = True) -> str:
     if kind == "regex" and isinstance(value, str):
         return regex_grammar(value)
     if kind == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
-        return choice_grammar(value)
+        return choice_grammar(value, max_choices)
     if kind == "grammar" and isinstance(value, str):
         return lark_grammar(value)
     raise GrammarError(f"not a constraint: {kind!r}")
@@ -111,15 +167,87 @@ def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
 
 
 def check(grammar: str) -> None:
-    """GrammarError naming the problem, unless `grammar` compiles. Needs no tokenizer: cheap (a millisecond or
-    so for a schema of a few properties)."""
+    """GrammarError naming the problem, unless `grammar` compiles and can take its first step. Needs no
+    tokenizer: cheap (a millisecond or so for a schema of a few properties); the verdict on each of the last
+    few hundred grammars is kept (a client that repeats a costly one pays once)."""
+    error = _check(grammar)
+    if error:
+        raise GrammarError(error)
+
+
+@functools.lru_cache(maxsize=256)
+def _check(grammar: str) -> str | None:
     matcher = _matcher()
     try:
-        error = matcher.validate_grammar(grammar)
+        error = matcher.validate_grammar(grammar, limits=_limits())
     except (ValueError, TypeError) as exc:
         error = str(exc) or type(exc).__name__
-    if error:
-        raise GrammarError(error.strip())
+    return short_reason(error) if error else _first_step_error(grammar)
+
+
+def _first_step_error(grammar: str) -> str | None:
+    """Why `grammar` fails at its first step, or None. validate_grammar does not build the lexer (llguidance
+    builds it lazily, step by step), so a grammar can pass it and still fail in the engine at once: one that
+    allows no output at all (a JSON schema `{"$ref": "#"}`), or a regex past the lexer's limits (`b{888888}`).
+    A matcher over a 257-token byte vocabulary computes the first mask and takes the first allowed byte: what
+    the engine does first, with llguidance's same limits; only a grammar's own faults fail it, whatever the
+    model's tokenizer. A grammar that names special tokens cannot be built over bytes: the engine judges it."""
+    matcher = _matcher()(_byte_tokenizer(), grammar, log_level=0, limits=_limits())
+    if matcher.is_error():
+        return None
+    mask = matcher.compute_bitmask()
+    if not matcher.is_error():
+        allowed = [b for b in range(256) if mask[b // 8] >> (b % 8) & 1]
+        if not allowed and not matcher.is_accepting():
+            return "the grammar allows no output at all"
+        if allowed:
+            matcher.consume_token(allowed[0])
+    return short_reason(matcher.get_error()) if matcher.is_error() else None
+
+
+def short_reason(error: str) -> str:
+    """llguidance's error as a client may read it: on one line, without the parser state and the grammar it may
+    append (verbose errors, which _limits() asks it not to write; a matcher's errors still end in a marker),
+    bounded, and in words where llguidance gives a name."""
+    text = re.split(r"<state>|<non-verbose/>|<grammar>", error, maxsplit=1)[0]
+    text = " ".join(text.split())
+    return error_summary(_NO_EXTENSION.get(text, text))
+
+
+# llguidance's names for what a client should be told in words.
+_NO_EXTENSION = {"NoExtensionBias": "the grammar allows no output at all (an unsatisfiable schema?)"}
+
+
+@functools.cache
+def _limits() -> LLParserLimits:
+    """llguidance's default limits, but errors without the parser state and the grammar (which can run to tens
+    of KB, the request's whole schema included): the same limits in the API servers' check and in the engine."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def engine_limits() -> LLParserLimits:
+    return _limits()
+
+
+@functools.cache
+def _byte_tokenizer() -> LLTokenizer:
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    return LLTokenizer(TokenizerWrapper(_Bytes()))
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an EOS, in the shape llguidance's TokenizerWrapper reads."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
 
 
 def closed_objects(schema: Any) -> Any:
@@ -151,8 +279,10 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", 
 
 
 def _lark_regex_literal(text: str) -> str:
-    """`text` matched literally inside a Lark /regex/ (Rust regex syntax, plus the delimiter)."""
-    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+    """`text` matched literally inside a Lark /regex/ (Rust regex syntax, plus the delimiter); control characters
+    (a newline would end the Lark line) as their code point."""
+    return "".join("\\" + ch if ch in _REGEX_META else f"\\x{{{ord(ch):x}}}" if ord(ch) < 32 or ch == "\x7f" else ch
+                   for ch in text)
 
 
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")

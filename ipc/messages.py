@@ -115,6 +115,14 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def error_summary(error: str, limit: int = 300) -> str:
+    """An error's first line, at most `limit` characters: what a client is told of a reason a library wrote (some
+    of llguidance's run to tens of KB: its parser state and the whole grammar). The log gets the whole reason."""
+    lines = error.strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 @dataclass
 class EngineOutputs(Record):
     outputs: list[RequestOutput]

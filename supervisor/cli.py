@@ -210,6 +210,8 @@ def _positive(click_context, param, value):
                    "request larger than the limit alone gets 400).")
 @click.option("--max-request-body-bytes", default=_DEFAULTS.max_request_body_bytes, show_default=True,
               type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
+@click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
+              type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")

@@ -100,6 +100,30 @@ def test_refused_integers_leak_no_admission(group, http):
     assert_exactly_the_limit_is_admitted(group)
 
 
+def test_an_engine_failure_tells_the_client_its_first_line_and_the_log_all(group, http):
+    """The simulated engine's reason runs to 10 KB of internals after its first line: the client gets that line
+    (whole answer or stream), the API server's log one WARNING line per 5xx with the request id and the whole."""
+    response = chat(http, request_id="sim-request-error-logged-whole")
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["message"] == "The engine failed this request: simulated request failure"
+    with http.stream("POST", "/v1/chat/completions", json={
+        "model": MODEL, "messages": HELLO, "stream": True, "request_id": "sim-request-error-logged-stream",
+    }) as stream:
+        events = [line for line in stream.iter_lines() if line]
+    assert "<state>" not in events[-2] and len(events[-2]) < 400 and "simulated request failure" in events[-2]
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [line for line in group.log().splitlines()
+                 if "sim-request-error-logged" in line and "WARNING [ApiServer" in line]
+        if len(lines) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    whole, streamed = (next(line for line in lines if tag in line) for tag in ("-whole-", "-stream-"))
+    assert "POST /v1/chat/completions" in whole and "500 internal_server_error" in whole and "<state>" in whole
+    assert "stream" in streamed and "500 internal_server_error" in streamed
+
+
 def test_failures_after_admission_release_it_exactly_once(group, http):
     errors_before = metric(http, 'supervise_request_success_total{model_name="sim:2",finished_reason="error"}')
     failed_before = metric(http, 'supervise_http_requests_total{model_name="sim:2",status="5xx"}')

@@ -190,3 +190,38 @@ def test_the_serve_loop_hands_on_choices_aborted_while_the_grammar_compiled(engi
         assert select.select([compiling], [], [], 30)[0], "no compile finished in 30 s"
         ready = compiling.ready()
     assert ready == [(b"api-1", request, [1])]
+
+
+@pytest.mark.parametrize("grammar, words", [
+    # Past llguidance's lexer limits at the first token (it builds its lexer lazily: the grammar compiles).
+    (grammars.regex_grammar("b{888888}"), "too many expressions"),
+    # Unsatisfiable: no output at all (the matcher's first mask allows EOS alone, and errs).
+    (grammars.json_schema_grammar({"$ref": "#"}), "no output at all"),
+])
+def test_a_grammar_that_fails_at_its_first_step_fails_every_time(engine, prompts, grammar, words):
+    """The API servers refuse these before queueing (ipc.grammar.check); the engine, given one anyway, fails it
+    with a short reason, every time: its compiled matcher is not cached (its copies share a spent lexer), so a
+    repeat never ends as an empty output that looks complete (a 'stop')."""
+    errors = []
+    for i in range(3):
+        _, last = _run(engine, [greedy_request(f"fails{i}", prompts[1], 5, grammar=grammar, logprobs=1)])
+        out = last[(f"fails{i}", 0)]
+        assert out.finish_reason == FinishReason.ERROR, out
+        assert grammars.is_engine_error(out.error) and words in out.error
+        assert "<state>" not in out.error and "\n" not in out.error and len(out.error) < 400
+        assert engine.structured.compiler.cached(grammar) is None
+        errors.append(out.error)
+    assert errors[0] == errors[1] == errors[2]
+    tokens, _ = _run(engine, [greedy_request("fine", prompts[1], 3)])
+    assert tokens[("fine", 0)] == reference_greedy(prompts[1], 3)
+
+
+def test_thousands_of_choices_compile_into_one_lexeme(engine, prompts):
+    """llguidance refuses a Lark rule of 2,000 alternatives or more: the choices become one regex (a trie)."""
+    labels = [f"label-{i:04d}" for i in range(2500)] + ["a/b.c*", "line\nbreak", "é✓"]
+    grammar = grammars.choice_grammar(labels)
+    grammars.check(grammar)
+    tokens, last = _run(engine, [EngineRequest("labels", prompts[1], SamplingParams(
+        max_tokens=16, temperature=1.0, seed=4, n=3, grammar=grammar))])
+    for i in range(3):
+        assert _text(tokens[("labels", i)]) in labels and last[("labels", i)].finish_reason == FinishReason.STOP

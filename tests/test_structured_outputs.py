@@ -4,6 +4,7 @@ validator; bad constraints refused with a 400 that names the problem."""
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -115,6 +116,10 @@ def test_stop_string_still_cuts_a_constrained_output(client, model):
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs", "missing_rule"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "empty"),
+    ({"structured_outputs": {"choice": [str(i) for i in range(10_001)]}}, "structured_outputs.choice",
+     "--max-structured-output-choices"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format", "no output at all"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", None),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
@@ -129,3 +134,50 @@ def test_bad_constraints_are_400_naming_the_problem(client, model, fields, param
     assert error["param"].startswith(param) and "Traceback" not in error["message"]
     if words:
         assert words in error["message"]
+
+
+def _grammar_400(error: dict, param: str, words: str) -> None:
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["code"] == "invalid_structured_output" and words in error["message"]
+    assert len(error["message"]) < 400 and "<state>" not in error["message"] and "<grammar>" not in error["message"]
+
+
+@pytest.mark.parametrize("pattern", ["b{888888}", "a{999999}"])
+def test_a_regex_past_the_lexer_limits_is_a_400_every_time(client, model, pattern):
+    """It compiles (llguidance builds its lexer lazily) and fails at its first token: the API server's check
+    takes that step too, so every such request is a 400, streamed or not, and nothing is queued."""
+    for stream in (False, True, False):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=5, stream=stream,
+                                           extra_body={"structured_outputs": {"regex": pattern}})
+        _grammar_400(caught.value.body, "structured_outputs", "too many expressions")
+    reply = client.completions.create(model=model, prompt="The date of the next full moon is", max_tokens=12,
+                                      temperature=0, extra_body={"structured_outputs": {"regex": DATE}})
+    assert re.fullmatch(DATE, reply.choices[0].text)  # the group serves on
+
+
+def test_a_grammar_that_fails_in_the_engine_is_a_400_every_time(served, model):
+    """A grammar that names a special token cannot be tried over the API server's byte vocabulary, so only the
+    engine finds that this one fails (the regex before the token is past the lexer's limits): still a 400 with a
+    short reason, each time (the failed matcher is not cached); streamed, the error event says the same."""
+    lark = 'start: /b{888888}/ <|im_end|>'
+    body = {"model": model, "messages": ASK_PERSON, "max_tokens": 5, "structured_outputs": {"grammar": lark}}
+    with httpx.Client(base_url=served.base_url, timeout=120) as http:
+        for _ in range(2):
+            response = http.post("/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            _grammar_400(response.json()["error"], "structured_outputs", "too many expressions")
+        with http.stream("POST", "/chat/completions", json={**body, "stream": True}) as stream:
+            events = [line for line in stream.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    _grammar_400(json.loads(events[-2][len("data: "):])["error"], "structured_outputs", "too many expressions")
+
+
+def test_thousands_of_choices_answer_one_of_them(client, model):
+    labels = [f"label-{i:04d}" for i in range(2500)]
+    question = [{"role": "user", "content": "Pick a label."}]
+    args = dict(model=model, messages=question, max_tokens=16, extra_body={"structured_outputs": {"choice": labels}})
+    reply = client.chat.completions.create(temperature=0, **args)
+    assert reply.choices[0].message.content in labels and reply.choices[0].finish_reason == "stop"
+    text, finish = _streamed_chat(client.chat.completions.create(temperature=1.0, seed=9, stream=True, **args))
+    assert text in labels and finish == "stop"

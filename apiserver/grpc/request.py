@@ -53,13 +53,14 @@ class GenerateInput:
     rank: int | None  # the data-parallel rank asked for: the engine client pins it (UnknownRank if not served)
 
 
-def parse_generate(request, metadata: dict, model: ModelInfo) -> GenerateInput:
+def parse_generate(request, metadata: dict, model: ModelInfo, max_choices: int | None = None) -> GenerateInput:
+    """`max_choices`: the most strings a `choice` constraint may list (--max-structured-output-choices)."""
     _refuse_unknown_fields(request)
     prompt = _prompt(request, model)
     return GenerateInput(
         request_id=_request_id(request.request_id or metadata.get("x-request-id") or os.urandom(16).hex()),
         prompt=prompt,
-        sampling=_sampling(request.sampling_params, model, len(prompt)),
+        sampling=_sampling(request.sampling_params, model, len(prompt), max_choices),
         priority=_priority(metadata),
         stream=request.stream,
         rank=_rank(request, metadata),
@@ -108,8 +109,8 @@ def _prompt(request, model: ModelInfo) -> list[int]:
     return prompt
 
 
-def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
-    grammar = _grammar(params)
+def _sampling(params, model: ModelInfo, prompt_len: int, max_choices: int | None) -> SamplingParams:
+    grammar = _grammar(params, max_choices)
     if len(params.logit_bias):
         raise invalid_argument("`logit_bias` is not supported by this server's engine")
     for name, (low, high, low_allowed) in _FLOAT_RANGES.items():
@@ -147,7 +148,7 @@ def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
                            grammar)
 
 
-def _grammar(params) -> str | None:
+def _grammar(params, max_choices: int | None) -> str | None:
     """The constraint as the engine's grammar (ipc/grammar.py), compiled here once to refuse a bad one with its
     reason. It applies from the first generated token: this engine runs no reasoning parser with --grpc, so
     `grammar_from_first_token` asks for what it does anyway (GetServerInfo says `first_token`)."""
@@ -161,7 +162,8 @@ def _grammar(params) -> str | None:
     if constraint == "choice":
         value = list(value.choices)
     try:
-        return checked(grammars.from_constraint(_CONSTRAINT_KINDS[constraint], value), f"sampling_params.{constraint}")
+        return checked(grammars.from_constraint(_CONSTRAINT_KINDS[constraint], value, max_choices=max_choices),
+                       f"sampling_params.{constraint}")
     except grammars.GrammarError as exc:
         raise invalid_argument(f"invalid `sampling_params.{constraint}`: {exc}") from None
 

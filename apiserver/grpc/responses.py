@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from apiserver.engine_client import EngineRequestError
+from apiserver.engine_client import request_error
 from ipc.messages import FinishReason, RequestOutput
 
 
@@ -79,7 +79,7 @@ class ResponseBuilder:
                 logprobs += out.logprobs
             if out.finish_reason is not None:
                 if out.finish_reason == FinishReason.ERROR:  # the whole call fails, as an HTTP request does
-                    raise EngineRequestError(out.error or "no reason given")
+                    raise request_error(out, "sampling_params")
                 finish = out
                 break
         sample.token_ids += new
