@@ -87,6 +87,15 @@ class HttpConnection(HttpToolsProtocol):
         self._made_at = self.loop.time()
         self._timer = self.loop.call_later(self._policy.timeout_keep_alive, self._check_timeouts)
 
+    def eof_received(self) -> None:
+        """The client closed its side (or half-closed it after its request: `nc -N`, Go's CloseWrite). uvicorn
+        keeps no half-open connection: on return the transport closes itself, past the batching wrapper, and
+        drops what is written after. An answer made since the last pass waits in the batch: it goes first, as
+        it would have unbatched. (A request still waiting on the engine reads a disconnect, as in uvicorn.)"""
+        if isinstance(self.transport, BatchedTransport):
+            self.transport.flush()
+        return super().eof_received()
+
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
             self._timer.cancel()
