@@ -205,6 +205,15 @@ def test_requests_the_http_parser_refuses_get_400_in_the_openai_format_and_are_c
     assert chat(http).status_code == 200
 
 
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models/"), ("POST", "/v1/completions/"),
+                                          ("GET", "/health/")])
+def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(http, method, path):
+    response = http.request(method, path, json={"model": MODEL, "prompt": "x"}, headers={"host": "elsewhere.example"})
+    assert response.status_code == 404, response.headers
+    assert "location" not in response.headers
+    assert response.json() == http.get("/v1/nothing").json()  # as any unknown path
+
+
 def assert_413(response: httpx.Response) -> None:
     assert response.status_code == 413, response.text[:200]
     error = response.json()["error"]
