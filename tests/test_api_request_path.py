@@ -216,8 +216,19 @@ def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(http, method, path)
 
 def assert_413(response: httpx.Response) -> None:
     assert response.status_code == 413, response.text[:200]
+    assert response.headers["connection"] == "close"
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "--max-request-body-bytes" in error["message"]
+
+
+def test_a_refused_body_ends_the_connection(group):
+    # Declared too large: refused at once, before a byte of the body; the server does not wait for it.
+    status, headers, body = raw_exchange(group, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (9 * 2**20)
+    ))
+    assert status == b"HTTP/1.1 413 Request Entity Too Large"
+    assert headers["connection"] == "close" and body["error"]["code"] == "request_too_large"
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_parsed(http):
