@@ -16,4 +16,7 @@ def build_app(ctx: ServerContext) -> StatusCountMiddleware:
         middleware=middleware_stack(ctx.config),
         exception_handlers=exception_handlers(),
     )
+    # A path with a slash too many is an unknown route, the router's 404 in the OpenAI format, not
+    # Starlette's 307 to the same path without it (built from the client's Host header).
+    app.router.redirect_slashes = False
     return StatusCountMiddleware(app, ctx.metrics)

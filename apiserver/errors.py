@@ -72,9 +72,11 @@ class ModelNotFound(ApiError):
 
 
 class RequestTooLarge(ApiError):
-    """A body over --max-request-body-bytes."""
+    """A body over --max-request-body-bytes. The connection closes after it (uvicorn honours the header), as
+    servers close after refusing a body: the rest of it may still be on its way, and is not read."""
 
     status = 413
+    headers = {"Connection": "close"}
 
 
 class Overloaded(ApiError):

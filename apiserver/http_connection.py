@@ -13,20 +13,28 @@ timer per request. When it fires it looks at what the connection is doing:
   app has not taken the body yet) the client is not waiting on us: that time does not count.
 A 408 goes out only where no response has started; otherwise the connection just closes.
 
+A request that uvicorn's parser (httptools) refuses (two Content-Lengths, Content-Length with chunked, a bad
+chunk size, an unknown method, a header line or URL too long or malformed, TLS or HTTP/2 bytes) gets a 400,
+then the connection closes: uvicorn's own answer is plain text. Both it and the 408 are `ConnectionAnswer`s:
+the OpenAI error body with `Connection: close`, counted in /metrics like the app's answers (README: "counts
+every answer by status class, whoever made it"), except where the app already runs the request: then it
+reads a disconnect, and its own answer is the one counted.
+
 While the group stops, requests that arrive on open keep-alive connections get 503 with `Connection: close`
 and the OpenAI error body (ConnectionPolicy.refusing): the group will not finish new work, so the client
 retries elsewhere at once. Requests already in flight finish.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
-from apiserver.errors import ApiError, RequestTimeout, ShuttingDown, error_body
+from apiserver.errors import ApiError, InvalidRequest, RequestTimeout, ShuttingDown, error_body
 from apiserver.write_batch import BatchedTransport, WriteBatch
 
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
@@ -43,17 +51,29 @@ class ConnectionPolicy:
     refusing: bool = False
     write_batch: WriteBatch | None = None  # this loop's batch of writes (apiserver/write_batch.py); None: direct
     direct_body: bool = False  # each request gets its DirectBody (apiserver/direct_body.py) in its scope
+    count_status: Callable[[int], None] | None = None  # Metrics.count_status: answers made here are counted
 
 
-def _fixed_response(error: ApiError, reason: bytes) -> bytes:
-    body = orjson.dumps(error_body(error))
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body))
+class ConnectionAnswer(NamedTuple):
+    """An answer the connection makes itself, not the app, always followed by the connection's close."""
+
+    status: int
+    raw: bytes  # the whole response: status line, headers, the OpenAI error body
+
+    @classmethod
+    def of(cls, error: ApiError, reason: bytes) -> "ConnectionAnswer":
+        body = orjson.dumps(error_body(error))
+        return cls(error.status, b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                   b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body))
 
 
-REQUEST_TIMEOUT_RESPONSE = _fixed_response(
+REQUEST_TIMEOUT = ConnectionAnswer.of(
     RequestTimeout("The request was not received in time: the connection is closed."), b"Request Timeout"
 )
+INVALID_HTTP = ConnectionAnswer.of(InvalidRequest(
+    "The request is not valid HTTP/1.1 (the server could not parse it): the connection is closed.",
+    code="invalid_http_request",
+), b"Bad Request")
 _SHUTTING_DOWN_BODY = orjson.dumps(error_body(ShuttingDown(
     "The server is shutting down and takes no new requests: retry the request.", code="shutting_down"
 )))
@@ -86,6 +106,15 @@ class HttpConnection(HttpToolsProtocol):
             self.transport = BatchedTransport(transport, self._policy.write_batch)
         self._made_at = self.loop.time()
         self._timer = self.loop.call_later(self._policy.timeout_keep_alive, self._check_timeouts)
+
+    def eof_received(self) -> None:
+        """The client closed its side (or half-closed it after its request: `nc -N`, Go's CloseWrite). uvicorn
+        keeps no half-open connection: on return the transport closes itself, past the batching wrapper, and
+        drops what is written after. An answer made since the last pass waits in the batch: it goes first, as
+        it would have unbatched. (A request still waiting on the engine reads a disconnect, as in uvicorn.)"""
+        if isinstance(self.transport, BatchedTransport):
+            self.transport.flush()
+        return super().eof_received()
 
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
@@ -144,13 +173,26 @@ class HttpConnection(HttpToolsProtocol):
         self._timer = self.loop.call_later(left, self._check_timeouts)
 
     def _time_out_request(self) -> None:
+        self._answer_and_close(REQUEST_TIMEOUT)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refused (it has logged a warning): ours instead."""
+        self._answer_and_close(INVALID_HTTP)
+
+    def _answer_and_close(self, answer: ConnectionAnswer) -> None:
+        """Answer the request being read, where nothing else has answered it, then close the connection."""
         cycle = self.cycle
-        if self._headers_done:  # the app already runs this request and waits for its body
+        # The app runs this request and waits for its body (its headers are complete and uvicorn made its
+        # cycle: not when the parser refused the URL at the end of the headers).
+        app_runs = self._reading_since is not None and cycle is not None and cycle.scope is self.scope
+        if app_runs:
             answerable = not cycle.response_started
             cycle.disconnected = True  # what it sends now goes nowhere; it reads a disconnect
             cycle.message_event.set()
-        else:  # a response to the previous request may still be going out
+        else:  # the app never saw this request; a response to the previous one may still be going out
             answerable = cycle is None or cycle.response_complete
         if answerable:
-            self.transport.write(REQUEST_TIMEOUT_RESPONSE)
+            if not app_runs and self._policy.count_status is not None:  # (else the app's answer is counted)
+                self._policy.count_status(answer.status)
+            self.transport.write(answer.raw)
         self.transport.close()

@@ -18,7 +18,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 
-from apiserver.errors import REQUEST_ID_SCOPE_KEY, RequestTooLarge, Unauthorized, error_body, error_response
+from apiserver.errors import REQUEST_ID_SCOPE_KEY, ApiError, RequestTooLarge, Unauthorized, error_body, error_response
 from apiserver.metrics import Metrics
 from ipc.config import ServeConfig
 
@@ -49,6 +49,23 @@ class StatusCountMiddleware:
             return send(message)
 
         await self.app(scope, receive, counted_send)
+
+
+class CorsMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight (an origin, method or header not allowed) answered in the
+    OpenAI error format instead of its plain text, with the same status (400) and CORS headers."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        refused = bytes(response.body).decode()  # "Disallowed CORS origin, method"
+        headers = {name: value for name, value in response.headers.items()
+                   if name not in ("content-length", "content-type")}
+        return error_response(ApiError(
+            f"{refused}: this server's --allowed-origins, --allowed-methods and --allowed-headers do not allow "
+            f"this cross-origin request.", code="cors_disallowed", headers=headers,
+        ))
 
 
 class BodyLimitMiddleware:
@@ -170,7 +187,7 @@ def middleware_stack(config: ServeConfig) -> list[Middleware]:
     stack = []
     if config.allowed_origins:
         stack.append(Middleware(
-            CORSMiddleware,
+            CorsMiddleware,
             allow_origins=list(config.allowed_origins),
             allow_methods=list(config.allowed_methods),
             allow_headers=list(config.allowed_headers),

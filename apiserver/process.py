@@ -105,7 +105,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     try:
         ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
         await engine.start(ENGINE_PING_TIMEOUT)
-        server = build_http_server(build_app(ctx), config, group, index)
+        server = build_http_server(build_app(ctx), config, group, index, ctx.metrics)
         ready.send(True)
         if stop.received:
             return

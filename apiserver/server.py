@@ -17,6 +17,7 @@ import uvicorn
 
 from apiserver.accept_loop import BalancedAcceptor
 from apiserver.http_connection import ConnectionPolicy, HttpConnection
+from apiserver.metrics import Metrics
 from apiserver.write_batch import WriteBatch
 from ipc.config import ServeConfig
 from ipc.shared_state import GroupState
@@ -76,7 +77,7 @@ class ApiHttpServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def build_http_server(app, config: ServeConfig, group: GroupState, index: int) -> uvicorn.Server:
+def build_http_server(app, config: ServeConfig, group: GroupState, index: int, metrics: Metrics) -> uvicorn.Server:
     uv_config = uvicorn.Config(
         app,
         http="httptools",
@@ -92,8 +93,9 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int) -
     batch = WriteBatch(asyncio.get_running_loop()) if config.write_batching else None
     # A user's middleware may change a body on its way through `send`: the events must take it.
     direct_body = config.direct_stream_events and not config.middleware
+    # The answers the connections make themselves (400, 408) are counted as the app's are.
     policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch,
-                              direct_body=direct_body)
+                              direct_body=direct_body, count_status=metrics.count_status)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
 
 

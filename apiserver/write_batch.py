@@ -11,8 +11,12 @@ server's CPU, side by side (README: "Streamed tokens: socket writes batched").
 The delay is the rest of the pass (the callback is queued behind the handles ready now), never a timer: a
 lone write goes out as soon as its handler returns, and a pass with many connections flushes every
 MAX_CONNECTIONS of them. Order holds: one connection's writes keep their order and go out in one `write()`
-(a response's head and body together), and whatever ends a connection (close, abort, EOF) first flushes
-what is pending.
+(a response's head and body together), and whatever ends a connection (close, abort, EOF) first writes
+what is pending for it. The client's EOF matters most: uvloop closes the transport itself when the protocol's
+`eof_received` returns (as uvicorn's does), past this wrapper, and a close with nothing in the transport's
+own buffer drops every later write. A client that half-closes after its request (`nc -N`, Go's CloseWrite)
+has its answer in the batch by then (the read that brings the EOF comes a pass after the request's), so the
+connection's `eof_received` hands it to the transport first (apiserver/http_connection.py).
 """
 from __future__ import annotations
 
@@ -48,6 +52,12 @@ class WriteBatch:
             self.flush()  # the callback already queued finds what comes after this
         self._pending[transport] = [data]  # self's: a flush above put a new dict there
 
+    def flush_one(self, transport: asyncio.Transport) -> None:
+        """`transport`'s pending writes, now (it is about to close); the others still wait for the pass."""
+        chunks = self._pending.pop(transport, None)
+        if chunks is not None and not transport.is_closing():
+            transport.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
     def flush(self) -> None:
         pending, self._pending = self._pending, {}
         for transport, chunks in pending.items():
@@ -75,16 +85,20 @@ class BatchedTransport:
     def writelines(self, chunks) -> None:
         self.write(b"".join(chunks))
 
+    def flush(self) -> None:
+        """What this connection has pending, now: before anything closes its transport."""
+        self._batch.flush_one(self._transport)
+
     def close(self) -> None:
-        self._batch.flush()
+        self.flush()
         self._transport.close()
 
     def abort(self) -> None:
-        self._batch.flush()
+        self.flush()
         self._transport.abort()
 
     def write_eof(self) -> None:
-        self._batch.flush()
+        self.flush()
         self._transport.write_eof()
 
     def __getattr__(self, name: str):

@@ -85,6 +85,20 @@ def test_cors(guarded):
     assert preflight.headers["access-control-allow-origin"] == "https://app.example"
 
 
+def test_a_refused_preflight_is_400_in_the_openai_format(guarded):
+    for origin, method, refused in (("https://evil.example", "POST", "origin"), ("https://app.example", "BREW", "method")):
+        preflight = httpx.options(guarded.url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": method,
+        })
+        assert preflight.status_code == 400
+        assert preflight.headers["content-type"] == "application/json"
+        assert "access-control-allow-methods" in preflight.headers  # the CORS headers are still there
+        error = preflight.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["code"] == "cors_disallowed"
+        assert error["message"].startswith(f"Disallowed CORS {refused}:") and "--allowed-origins" in error["message"]
+
+
 def test_request_id_header_is_echoed_and_used(guarded):
     response = httpx.post(guarded.base_url + "/chat/completions", json=CHAT, headers={"X-Request-Id": "abc-1", **auth()}, timeout=30)
     assert response.headers["x-request-id"] == "abc-1"

@@ -2,6 +2,7 @@
 requests the engine fails, clients that go away, the admission they hold released exactly once, and every
 answer counted in /metrics whoever made it."""
 import concurrent.futures
+import json
 import socket
 import time
 from urllib.parse import urlsplit
@@ -183,10 +184,75 @@ def test_every_status_is_counted(group, http):
     assert metric(http, 'supervise_http_requests_total{model_name="sim:2",status="4xx"}') == before + 4
 
 
+def raw_exchange(group, data: bytes) -> tuple[bytes, dict, dict]:
+    """`data` on a fresh connection, then everything until the server closes it: the status line, the
+    response's headers (lower-case names) and its JSON body. A server that keeps the connection open fails."""
+    address = urlsplit(group.url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = {name.strip().lower().decode(): value.strip().decode()
+               for name, _, value in (line.partition(b":") for line in lines)}
+    return status, headers, json.loads(body)
+
+
+COMPLETION = b'{"model": "sim:2", "prompt": "x", "max_tokens": 1}'
+# Requests uvicorn's HTTP parser (httptools) refuses: in the headers, before the app sees them; the bad chunk
+# while the app waits for the body (it reads a disconnect, and its 499 is what is counted).
+NOT_HTTP = {
+    "two content-lengths": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    "content-length and chunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n%s" % (len(COMPLETION), COMPLETION),
+    "a bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "an unknown method": b"BREW /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a 100 KB URL": b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a header line without a colon": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+    "a TLS ClientHello": bytes.fromhex("160301020001000200030300") + b"\x00" * 64,
+    "the HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+}
+
+
+def test_requests_the_http_parser_refuses_get_400_in_the_openai_format_and_are_counted(http, group):
+    before = metric(http, 'supervise_http_requests_total{model_name="sim:2",status="4xx"}')
+    for what, data in NOT_HTTP.items():
+        status, headers, body = raw_exchange(group, data)  # and the server closed the connection
+        assert status == b"HTTP/1.1 400 Bad Request", what
+        assert headers["content-type"] == "application/json" and headers["connection"] == "close", what
+        assert body["error"]["type"] == "invalid_request_error", what
+        assert body["error"]["code"] == "invalid_http_request", what
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert metric(http, 'supervise_http_requests_total{model_name="sim:2",status="4xx"}') == before + len(NOT_HTTP)
+    assert chat(http).status_code == 200
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models/"), ("POST", "/v1/completions/"),
+                                          ("GET", "/health/")])
+def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(http, method, path):
+    response = http.request(method, path, json={"model": MODEL, "prompt": "x"}, headers={"host": "elsewhere.example"})
+    assert response.status_code == 404, response.headers
+    assert "location" not in response.headers
+    assert response.json() == http.get("/v1/nothing").json()  # as any unknown path
+
+
 def assert_413(response: httpx.Response) -> None:
     assert response.status_code == 413, response.text[:200]
+    assert response.headers["connection"] == "close"
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "--max-request-body-bytes" in error["message"]
+
+
+def test_a_refused_body_ends_the_connection(group):
+    # Declared too large: refused at once, before a byte of the body; the server does not wait for it.
+    status, headers, body = raw_exchange(group, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (9 * 2**20)
+    ))
+    assert status == b"HTTP/1.1 413 Request Entity Too Large"
+    assert headers["connection"] == "close" and body["error"]["code"] == "request_too_large"
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_parsed(http):

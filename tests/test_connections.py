@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.supervise_process import Supervise
+from tests.test_api_request_path import metric
 
 SIM = ("--model", "sim:10")
 
@@ -91,7 +92,13 @@ def test_idle_connections_are_closed_after_the_keep_alive_timeout(short_timeouts
         conn.close()
 
 
+def count_4xx(server) -> float:
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        return metric(http, 'supervise_http_requests_total{model_name="sim:10",status="4xx"}')
+
+
 def test_headers_sent_a_byte_a_second_get_408_then_close(short_timeouts):
+    answered_before = count_4xx(short_timeouts)
     conn = connect(short_timeouts)
     started = time.monotonic()
     answer = b""
@@ -113,6 +120,7 @@ def test_headers_sent_a_byte_a_second_get_408_then_close(short_timeouts):
     assert b'"error"' in answer and b"connection: close" in answer.lower()
     assert 1.5 < closed_at - started < 5
     conn.close()
+    assert count_4xx(short_timeouts) == answered_before + 1  # the connection's own answer is counted too
 
 
 def test_a_stalled_body_gets_408_then_close(short_timeouts):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import struct
 import subprocess
@@ -106,20 +107,25 @@ async def test_a_connections_writes_keep_their_order_and_go_out_in_one_write():
 
 
 @_on_uvloop
-async def test_close_sends_what_is_pending_first():
-    ((transport, client),) = await _connections(1)
-    batched = BatchedTransport(transport, WriteBatch(asyncio.get_running_loop()))
+async def test_close_sends_its_own_pending_writes_first_and_leaves_the_others_to_the_pass():
+    (closing, staying) = await _connections(2)
+    batch = WriteBatch(asyncio.get_running_loop())
+    BatchedTransport(staying[0], batch).write(b"event")
+    batched = BatchedTransport(closing[0], batch)
     batched.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n")
     batched.close()
-    await asyncio.sleep(0.05)
+    assert _arrived(closing[1], wait=5) == b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n"
+    assert _arrived(staying[1]) == b""  # still this pass
+    await asyncio.sleep(0.05)  # the pass ends; the closed transport's socket is closed
+    assert _arrived(staying[1], wait=5) == b"event"
+    client = closing[1]
     client.setblocking(True)
     client.settimeout(5)
-    received = b""
-    while chunk := client.recv(4096):  # until EOF
-        received += chunk
-    assert received == b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n"
-    assert transport.is_closing()
-    client.close()
+    assert client.recv(4096) == b""  # EOF, after the answer
+    assert closing[0].is_closing()
+    staying[0].close()
+    for _, client in (closing, staying):
+        client.close()
 
 
 @_on_uvloop
@@ -254,6 +260,24 @@ def test_a_client_that_leaves_mid_stream_while_others_read_harms_nobody(group):
     expected = _whole_text(group)
     assert all(text == expected and lines[-1] == "data: [DONE]" for text, _, lines in results)
     assert httpx.get(f"{group.url}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("path, answer", [("/health", b""), ("/v1/models", b'"object":"list"')])
+def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(group, path, answer):
+    # `nc -N`, socat, Go's CloseWrite: the request, then EOF. The EOF arrives in the pass after the request's,
+    # while the answer waits in the batch: it must go out before the transport closes.
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path.encode())
+            sock.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := sock.recv(65536):  # until the server closes
+                received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), received
+        assert answer in body
+        assert len(body) == int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
 
 
 def test_a_websocket_upgrade_is_refused_whole_and_the_connection_closed(group):
