@@ -253,14 +253,18 @@ class EngineClient:
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
+        # Encoded before anything counts: a record that cannot be (an integer past 64 bits that a front end let
+        # through) fails the request here, not after it was counted in flight for good.
+        messages = [(request_id, codec.encode(EngineRequest(request_id, prompt_token_ids, sampling, priority)))
+                    for request_id, prompt_token_ids in requests]
         engines = {}
         for request_id, _ in requests:
             engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()
             self.loads.sent(engine)
         stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand)
-        for request_id, prompt_token_ids in requests:
+        for request_id, frames in messages:
             self._streams[request_id] = stream
-            self._send(engines[request_id], EngineRequest(request_id, prompt_token_ids, sampling, priority))
+            self._send_frames(engines[request_id], frames)
         self._in_flight_changed()
         return stream
 
@@ -371,9 +375,12 @@ class EngineClient:
         return self.loads.least_loaded(usable, {e for e in usable if e not in self._unanswered})
 
     def _send(self, engine: int, record) -> None:
+        self._send_frames(engine, codec.encode(record))
+
+    def _send_frames(self, engine: int, frames: list[bytes]) -> None:
         # SNDHWM is 0 (no limit): the send never has to wait.
         sock = self._sockets[engine]
-        sock.send_multipart(codec.encode(record), flags=zmq.NOBLOCK, copy=False)
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         # The send may have taken the FD's edge for a message that came in meanwhile: look for one soon.
         if not self._drain_scheduled[engine] and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule_drain(engine)

@@ -3,7 +3,6 @@ running a Generation (apiserver/generation_run.py) to a streamed or a whole resp
 from __future__ import annotations
 
 import os
-import re
 from typing import Callable
 
 import orjson
@@ -15,12 +14,11 @@ from apiserver.engine_client import EngineDeadError, RequestAborted, UnknownRank
 from apiserver.errors import CLIENT_CLOSED_REQUEST, REQUEST_ID_SCOPE_KEY, InvalidRequest, ModelNotFound
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun
-from apiserver.protocol import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_LENGTH
+from apiserver.priority_header import BadPriority, header_priority
+from apiserver.protocol import MAX_REQUEST_ID_LENGTH
 from apiserver.streaming import ChunkWriter, EventStreamResponse
 
-_PRIORITY_HEADERS = ("x-priority", "x-vllm-priority")
 RANK_HEADER = "x-data-parallel-rank"  # vLLM's: pins a request to one data-parallel rank
-_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; more than 19 is past 64 bits anyway
 
 
 class GenerationServing:
@@ -53,21 +51,12 @@ class GenerationServing:
 
     @staticmethod
     def priority(request: Request, body_priority: int) -> int:
-        """X-Priority (or vLLM's X-Vllm-Priority) overrides the body's `priority`. As in vLLM, whose docs say
-        the header's value must be an integer, anything else is a 400 rather than silently ignored; and like
-        the body's, it must fit the engine's 64 bits."""
-        headers = request.headers
-        for name in _PRIORITY_HEADERS:
-            value = headers.get(name)
-            if value is not None:
-                text = value.strip()
-                if _INTEGER.fullmatch(text) and INT64_MIN <= int(text) <= INT64_MAX:
-                    return int(text)
-                raise InvalidRequest(
-                    f"The {name} header must be an integer from {INT64_MIN} to {INT64_MAX}, not {value[:40]!r}.",
-                    param=name,
-                )
-        return body_priority
+        """X-Priority (or vLLM's X-Vllm-Priority) overrides the body's `priority` (apiserver/priority_header.py)."""
+        try:
+            priority = header_priority(request.headers.get)
+        except BadPriority as exc:
+            raise InvalidRequest(str(exc), param=exc.name) from None
+        return body_priority if priority is None else priority
 
     def data_parallel_rank(self, request: Request, body_rank: int | None) -> int | None:
         """The rank a router pinned the request to: vLLM's X-data-parallel-rank header, else the body's

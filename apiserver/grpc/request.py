@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from apiserver.grpc.status import invalid_argument
+from apiserver.priority_header import BadPriority, header_priority
 from apiserver.sampling_params import max_tokens_for, sampling_params
 from apiserver.structured_outputs import checked
 from ipc import grammar as grammars
@@ -28,7 +29,6 @@ from ipc.sampling import SamplingParams
 MAX_N = 128  # the HTTP API's limit on `n`
 MAX_LOGPROBS = 20  # the engine's top-k limit (enginecore/sampler.py), as the HTTP API states it
 MAX_REQUEST_ID = 256
-_PRIORITY_KEYS = ("x-priority", "x-vllm-priority")
 # field: (lowest, highest, whether the lowest is allowed), for the floats the HTTP API bounds the same way
 _FLOAT_RANGES = {
     "temperature": (0.0, 100.0, True),
@@ -187,15 +187,12 @@ def _request_id(value: str) -> str:
 
 
 def _priority(metadata: dict) -> int:
-    """`x-priority` (or vLLM's `x-vllm-priority`) metadata, as the HTTP API reads the same headers."""
-    for key in _PRIORITY_KEYS:
-        value = metadata.get(key)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise invalid_argument(f"`{key}` metadata must be an integer, not {value!r}") from None
-    return 0
+    """`x-priority` (or vLLM's `x-vllm-priority`) metadata, read as the HTTP API reads the same headers."""
+    try:
+        priority = header_priority(metadata.get)
+    except BadPriority as exc:
+        raise invalid_argument(str(exc).replace("header", "metadata")) from None
+    return 0 if priority is None else priority
 
 
 def _rank(request, metadata: dict) -> int | None:
