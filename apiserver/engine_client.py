@@ -80,6 +80,29 @@ class RequestAborted(Exception):
     """This server stopped the request (client disconnect, a stop string, shutdown)."""
 
 
+class StreamBacklogFull(Exception):
+    """The request's outputs waiting for its consumer passed --max-stream-backlog-mb: its client reads slower
+    than the engine writes, or not at all. The request is aborted; the message says so."""
+
+
+# What a decoded RequestOutput holds in memory, in bytes (tracemalloc over a decoded OUTPUTS message of 1,000
+# one-token outputs: 564 bare, 778 with logprobs, 2,856 with 20 top logprobs): a backlog's size as estimated.
+_OUTPUT_BYTES = 560
+_LOGPROB_BYTES = 215  # a token's logprob entry
+_TOP_BYTES = 104  # each of its top logprobs
+
+
+def output_bytes(output) -> int:
+    """About what `output` holds in memory, prompt logprobs included."""
+    size = _OUTPUT_BYTES
+    for entries in (output.logprobs, output.prompt_logprobs):
+        if entries:
+            last = entries[-1]
+            top = len(last[1]) if last and last[1] else 0
+            size += len(entries) * (_LOGPROB_BYTES + _TOP_BYTES * top)
+    return size
+
+
 class RequestStream:
     """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer.
 
@@ -89,14 +112,19 @@ class RequestStream:
     Since the handler runs only while the consumer waits, everything before has been consumed: the order of
     what both do holds. The outputs of one drain go together, so a server that falls behind hands out several
     steps' tokens in one event, as a woken consumer would take them. A streamed response writes its events so
-    (apiserver/streaming.py), with no task to wake per token."""
+    (apiserver/streaming.py), with no task to wake per token.
 
-    __slots__ = ("engines", "unfinished", "handler", "_items", "_waiter", "_error", "_loop", "_handled_at",
-                 "_held", "_to_hand")
+    The outputs not taken yet are the stream's backlog: a consumer that waits on a slow client (a transport paused,
+    gRPC's flow control) takes none meanwhile, and the engine goes on writing. Past `backlog_limit` bytes (as
+    output_bytes estimates them) `put` says so, and the reader ends the stream (`overflow`)."""
+
+    __slots__ = ("engines", "unfinished", "handler", "backlog", "_items", "_waiter", "_error", "_loop",
+                 "_handled_at", "_held", "_to_hand", "_backlog_limit", "_overflowed")
 
     def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop,
-                 to_hand: list | None = None):
-        """`to_hand`: the reader's list of streams whose held outputs go to their handler when its drain ends."""
+                 to_hand: list | None = None, backlog_limit: int = 0):
+        """`to_hand`: the reader's list of streams whose held outputs go to their handler when its drain ends;
+        `backlog_limit`: bytes of outputs not taken yet past which `put` returns True (0: no limit)."""
         self.engines = engines  # engine request id -> the engine that runs it
         self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
         self.handler: Callable[[list], bool] | None = None
@@ -107,8 +135,16 @@ class RequestStream:
         self._handled_at = 0.0  # loop time of the last outputs the handler took
         self._held = False  # outputs wait in _items for the handler (this stream is in _to_hand)
         self._to_hand = to_hand
+        self._backlog_limit = backlog_limit
+        self.backlog = 0  # bytes of the outputs in _items, as estimated (only with a limit)
+        self._overflowed = False
 
-    def put(self, output) -> None:
+    def put(self, output) -> bool:
+        """Queue `output`; True when that took the backlog past its limit (the reader then ends the stream)."""
+        if self._backlog_limit:
+            if self._overflowed:
+                return False  # ended: what its engines still send goes nowhere
+            self.backlog += output_bytes(output)
         self._items.append(output)
         if output.finish_reason is not None:
             self.unfinished[output.request_id] -= 1
@@ -118,8 +154,16 @@ class RequestStream:
                 if not self._held:
                     self._held = True
                     self._to_hand.append(self)
-                return
+                return False
         self._wake()
+        return self._backlog_limit > 0 and self.backlog > self._backlog_limit
+
+    def overflow(self, error: BaseException) -> None:
+        """End the stream for its backlog: the outputs go, the consumer meets `error` at its next batch."""
+        self._items = []
+        self.backlog = 0
+        self._overflowed = True
+        self.fail(error)
 
     def hand_over(self) -> None:
         """The held outputs to the handler, if the consumer still waits for them (else it takes them)."""
@@ -128,6 +172,7 @@ class RequestStream:
         if waiter is None or waiter.done() or not self._items:
             return
         items, self._items = self._items, []
+        backlog, self.backlog = self.backlog, 0
         taken = False
         if handler is not None:
             try:
@@ -137,7 +182,7 @@ class RequestStream:
         if taken:
             self._handled_at = self._loop.time()
         else:
-            self._items = items
+            self._items, self.backlog = items, backlog
             self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -170,14 +215,18 @@ class RequestStream:
                 if wait <= 0:
                     return []
         items, self._items = self._items, []
+        self.backlog = 0
         return items
 
 
 class EngineClient:
     def __init__(self, addresses: list[str], index: int, on_in_flight=None, ranks: list[int] | None = None,
-                 curve: CurveKeys | None = None, group: GroupInFlight | None = None):
+                 curve: CurveKeys | None = None, group: GroupInFlight | None = None, max_backlog_bytes: int = 0):
         """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones;
-        `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py)."""
+        `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py);
+        `max_backlog_bytes`: a stream's outputs waiting for its consumer past which its request is aborted
+        (--max-stream-backlog-mb; 0: no limit)."""
+        self.max_backlog_bytes = max_backlog_bytes
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
@@ -201,7 +250,8 @@ class EngineClient:
         in-flight count published in the server's shared-memory slot."""
         index = launch.index
         return cls(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
-                   ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index))
+                   ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index),
+                   max_backlog_bytes=launch.config.max_stream_backlog_mb * 2**20)
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
@@ -261,7 +311,8 @@ class EngineClient:
         for request_id, _ in requests:
             engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()
             self.loads.sent(engine)
-        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand)
+        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand,
+                               self.max_backlog_bytes)
         for request_id, frames in messages:
             self._streams[request_id] = stream
             self._send_frames(engines[request_id], frames)
@@ -295,6 +346,19 @@ class EngineClient:
             if engine not in self.down:
                 self._send(engine, AbortRequests(request_ids))
         self._in_flight_changed()
+
+    def _end_for_backlog(self, stream: RequestStream) -> None:
+        """`stream`'s client reads slower than its engines write: stop them and drop what waits (RequestStream)."""
+        request_ids = [request_id for request_id, left in stream.unfinished.items() if left > 0]
+        log.warning("request %s aborted: its client reads slower than the engine writes, and %.0f MB of its output "
+                    "waited (--max-stream-backlog-mb %d)", ", ".join(stream.engines), stream.backlog / 2**20,
+                    self.max_backlog_bytes // 2**20)
+        stream.overflow(StreamBacklogFull(
+            f"The client read this stream too slowly: {stream.backlog / 2**20:.0f} MB of its output waited in the "
+            f"server (at most {self.max_backlog_bytes // 2**20} MB), so the request was stopped."))
+        for request_id in request_ids:
+            self.abort(stream, request_id)
+            stream.unfinished[request_id] = 0  # aborted here: release has nothing left to abort
 
     def abort(self, stream: RequestStream, request_id: str, indices: list[int] | None = None) -> None:
         """Stop `request_id` of `stream` in its engine now (only its choices `indices`, when given), while
@@ -434,8 +498,8 @@ class EngineClient:
             streams = self._streams
             for output in record.outputs:
                 stream = streams.get(output.request_id)
-                if stream is not None:  # else: released (aborted) while this step ran
-                    stream.put(output)
+                if stream is not None and stream.put(output):  # None: released (aborted) while this step ran
+                    self._end_for_backlog(stream)
         elif isinstance(record, UtilityResult):
             call = self._calls.get(record.call_id)
             if call is not None and not call[1].done():

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from apiserver.engine_client import EngineDeadError, EngineRequestError, GrammarFailed, UnknownRank
+from apiserver.engine_client import EngineDeadError, EngineRequestError, GrammarFailed, StreamBacklogFull, UnknownRank
 from ipc import grammar
 from ipc.messages import error_summary
 
@@ -109,6 +109,8 @@ _TABLE = {
         code="invalid_structured_output"),
     EngineRequestError: lambda exc: ApiError(
         f"The engine failed this request: {error_summary(str(exc))}", status=500, type="internal_server_error"),
+    # The client's doing (it does not read), told in the stream's error event: a 4xx, not logged as a failure.
+    StreamBacklogFull: lambda exc: ApiError(str(exc), status=408, type="client_too_slow", code="stream_backlog_full"),
     ClientDisconnect: lambda exc: ApiError(
         "The client closed the connection before its request was read.", status=CLIENT_CLOSED_REQUEST,
         type="client_closed_request"),

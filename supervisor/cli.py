@@ -212,6 +212,11 @@ def _positive(click_context, param, value):
               type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
 @click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
               type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
+@click.option("--max-stream-backlog-mb", default=_DEFAULTS.max_stream_backlog_mb, show_default=True,
+              type=click.IntRange(0),
+              help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "
+                   "than the engine writes; past it the request is aborted and the stream ends with an error "
+                   "(gRPC: RESOURCE_EXHAUSTED). 0: no limit.")
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from apiserver.engine_client import StreamBacklogFull
 from apiserver.errors import Overloaded, as_api_error, is_expected
 
 Code = grpc.StatusCode
@@ -39,8 +40,8 @@ def as_rpc_error(exc: BaseException) -> RpcError | None:
     if not is_expected(exc):
         return None
     error = as_api_error(exc)
-    if isinstance(exc, Overloaded):
-        # "A limit is full, retry later" has a code of its own, which gateways retry elsewhere.
+    if isinstance(exc, (Overloaded, StreamBacklogFull)):
+        # "A limit is full" has a code of its own (gateways retry an admission's elsewhere).
         return RpcError(Code.RESOURCE_EXHAUSTED, error.message)
     code = _CODE_OF_STATUS.get(error.status, Code.INVALID_ARGUMENT if error.status < 500 else Code.UNAVAILABLE)
     return RpcError(code, error.message)
