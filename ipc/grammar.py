@@ -53,6 +53,9 @@ def _matcher() -> type[LLMatcher]:
     return LLMatcher
 
 
+_TOO_DEEP = "the schema is nested too deeply"
+
+
 def json_schema_grammar(schema: dict[str, Any], any_whitespace: bool = True) -> str:
     """Output that is one JSON value valid against `schema`. Objects whose schema lists properties and says nothing
     of others get none beyond them (what xgrammar, vLLM's default backend, does, and OpenAI's strict mode asks):
@@ -60,11 +63,12 @@ def json_schema_grammar(schema: dict[str, Any], any_whitespace: bool = True) -> 
     False: no whitespace between tokens."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
-    schema = closed_objects(schema)
     options: JsonCompileOptions | None = None if any_whitespace else {"whitespace_flexible": False}
     try:
-        return _matcher().grammar_from_json_schema(json.dumps(schema), overrides=options)
-    except (ValueError, TypeError, RecursionError) as exc:  # whatever the client sent, a 400, never a 500
+        return _matcher().grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=options)
+    except RecursionError:
+        raise GrammarError(_TOO_DEEP) from None
+    except (ValueError, TypeError) as exc:  # whatever the client sent, a 400, never a 500
         raise GrammarError(str(exc) or type(exc).__name__) from None
 
 
@@ -137,6 +141,8 @@ def from_constraint(kind: str, value: Any, any_whitespace: bool = True, max_choi
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise GrammarError(_TOO_DEEP) from None
             except ValueError as exc:
                 raise GrammarError(f"the schema is not valid JSON: {exc}") from None
         return json_schema_grammar(value, any_whitespace)

@@ -121,6 +121,8 @@ BAD_REQUESTS = [
     ("n 1000", generate_request(PROMPT, max_tokens=2, n=1000), "`n` is 1000"),
     ("schema that is not JSON", generate_request(PROMPT, json_schema="{not json"), "`sampling_params.json_schema`"),
     ("schema of the wrong type", generate_request(PROMPT, json_schema='{"type": 3}'), "`sampling_params.json_schema`"),
+    ("schema nested 3000 deep", generate_request(PROMPT, json_schema='{"type": "object", "properties": {"a": ' * 3000
+                                                 + "{}" + "}}" * 3000), "nested too deeply"),
     ("regex that does not compile", generate_request(PROMPT, regex="(a"), "`sampling_params.regex`"),
     ("no choices", generate_request(PROMPT, choice=pb.ChoiceConstraint(choices=[])), "list of choices is empty"),
     ("grammar that does not parse", generate_request(PROMPT, grammar="start: (("), "`sampling_params.grammar`"),
