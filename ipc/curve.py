@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,14 +115,23 @@ def start_zap_handler(ctx: zmq.Context[zmq.Socket[Any]], keys: CurveKeys) -> Non
         _handlers[id(ctx)] = thread
 
 
+# A peer refused again is logged again after this many seconds: not a line per reconnect attempt (ZMQ retries
+# every few hundred milliseconds), yet a node misconfigured today is not hidden by a probe from the same address
+# last week.
+REFUSED_LOG_EVERY_S = 60.0
+
+
 def _answer_zap(zap: zmq.Socket[Any], allowed_key: bytes) -> None:
-    refused_from: set[str] = set()  # one log line per peer address, not one per reconnect attempt
+    refused_at: dict[str, float] = {}  # peer address -> when its last refusal was logged
     try:
         while True:
             frames = zap.recv_multipart()
             ok, address = _verdict(frames, allowed_key)
-            if not ok and address not in refused_from:
-                refused_from.add(address)
+            now = time.monotonic()
+            if not ok and now - refused_at.get(address, -REFUSED_LOG_EVERY_S) >= REFUSED_LOG_EVERY_S:
+                if len(refused_at) > 10_000:  # many addresses (a scan): forget the old ones
+                    refused_at.clear()
+                refused_at[address] = now
                 log.warning("refused a connection from %s: it does not hold the data-parallel key", address)
             request_id = frames[1] if len(frames) > 1 else b""
             zap.send_multipart([b"1.0", request_id,

@@ -196,8 +196,9 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 silent = now - link.last_answer
                 if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY:
                     last_waiting_line = now
-                    log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it",
-                                link.head, silent)
+                    log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it "
+                                "(a head that is up yet never answers refuses this node's --data-parallel-key-file: "
+                                "its log says 'refused a connection')", link.head, silent)
                     notifier.status("waiting for the head")
 
 

@@ -174,3 +174,39 @@ def test_a_key_is_derived_the_same_on_every_node(key_file):
     assert z85.decode(CurveKeys.from_secret_text(text).public) != z85.decode(CurveKeys.from_secret_text(text + "x").public)
     keys = load_keys(key_file)
     assert keys.secret.decode() not in repr(keys) and text.strip() not in repr(keys)
+
+
+def test_a_peer_refused_again_is_logged_again_after_a_while(monkeypatch, caplog):
+    """The refusal log: not a line per reconnect attempt, yet a node misconfigured now is not hidden by an earlier
+    refusal from the same address (a probe, the same node before a fix): again after REFUSED_LOG_EVERY_S."""
+    from ipc import curve
+
+    now = [0.0]
+    monkeypatch.setattr(curve.time, "monotonic", lambda: now[0])
+    attempts = [(0.0, "10.0.0.5"), (0.3, "10.0.0.5"), (30.0, "10.0.0.5"), (30.1, "10.0.0.6"),
+                (curve.REFUSED_LOG_EVERY_S + 1, "10.0.0.5")]
+
+    class Zap:
+        """The ZAP socket: one refused request per attempt, then the context's end."""
+
+        def __init__(self):
+            self.answers = []
+
+        def recv_multipart(self):
+            if not attempts:
+                raise zmq.ZMQError(zmq.ETERM)
+            now[0], address = attempts.pop(0)
+            return [b"1.0", b"id", b"", address.encode(), b"", b"CURVE", b"a key nobody holds"]
+
+        def send_multipart(self, frames):
+            self.answers.append(frames[2])
+
+        def close(self, linger=0):
+            pass
+
+    zap = Zap()
+    with caplog.at_level("WARNING", logger="ipc.curve"):
+        curve._answer_zap(zap, b"the deployment's key")
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert zap.answers == [b"400"] * 5
+    assert [m.split()[4] for m in refused] == ["10.0.0.5:", "10.0.0.6:", "10.0.0.5:"]
