@@ -62,7 +62,9 @@ def resolve_model(spec: str | None) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelSourceError(f"{spec} is a directory without a config.json: not a Hugging Face model")
         return os.path.abspath(path)
-    if os.path.exists(path) or path.startswith(("/", ".")):
+    if os.path.exists(path):
+        raise ModelSourceError(f"{spec} is a file, not a model directory or a .gguf file")
+    if path.startswith(("/", ".")):
         raise ModelSourceError(f"no such model directory or .gguf file: {spec}")
     return _download_from_hub(spec)
 
@@ -73,7 +75,10 @@ def _download_from_hub(repo_id: str) -> str:
 
         return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
     except Exception as exc:  # offline, unknown repo, gated: all mean the same to the user
-        raise ModelSourceError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: {exc}") from exc
+        # The hub's own words run to several lines (the advice of huggingface_hub); the error is one.
+        reason = " ".join(str(exc).split())[:300]
+        raise ModelSourceError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {exc.__class__.__name__}: "
+                               f"{reason}") from exc
 
 
 def converted_gguf_dir(gguf_path: str) -> str:

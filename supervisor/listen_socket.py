@@ -17,6 +17,10 @@ class PortInUse(Exception):
     pass
 
 
+class BadSocketActivation(Exception):
+    """LISTEN_PID names this process, but LISTEN_FDS is no count or its first descriptor no socket."""
+
+
 def open_listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
     """The socket systemd passed us (socket activation), else a fresh one bound to host:port."""
     inherited = _systemd_socket()
@@ -61,12 +65,18 @@ def _systemd_socket() -> socket.socket | None:
     """Adopt the first socket of systemd socket activation (LISTEN_FDS / LISTEN_PID), if meant for us."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
         return None
-    count = int(os.environ.get("LISTEN_FDS", "0") or 0)
+    value = os.environ.get("LISTEN_FDS", "0") or "0"
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)  # children must not adopt it a second time
-    if count < 1:
+    if not value.isdigit():
+        raise BadSocketActivation(f"LISTEN_FDS={value!r} is not a count of descriptors (systemd socket activation)")
+    if int(value) < 1:
         return None
-    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    try:
+        sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    except OSError as exc:
+        raise BadSocketActivation(f"LISTEN_FDS={value}, but descriptor {SD_LISTEN_FDS_START} is not a socket: "
+                                  f"{exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
 

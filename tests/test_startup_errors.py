@@ -30,6 +30,23 @@ def test_port_taken_by_another_process_is_refused_at_once(stranger_reuses_port):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("fds, fd3, words", [("abc", None, "not a count"), ("1", "file", "is not a socket")])
+def test_a_broken_socket_activation_is_one_line_and_exit_code_2(tmp_path, fds, fd3, words):
+    """LISTEN_PID names this process (systemd socket activation) but LISTEN_FDS is no count, or descriptor 3 is a
+    plain file: the environment is wrong, said in one line, as a bad option is."""
+    plain = open(tmp_path / "not-a-socket", "w")
+    result = subprocess.run(
+        ["sh", "-c", f'LISTEN_PID=$$ LISTEN_FDS={fds} exec "$0" "$@"', SUPERVISE, "--model", "sim:5", "--port", "0"],
+        preexec_fn=(lambda: os.dup2(plain.fileno(), 3)) if fd3 else None, close_fds=False,
+        capture_output=True, text=True, timeout=60,
+    )
+    plain.close()
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
+    assert len(errors) == 1 and "LISTEN_FDS" in errors[0] and words in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_missing_model_is_one_line_and_exit_code_2(tmp_path):
     missing = tmp_path / "no-such-model"
     result = run_supervise("--port", "0", "--model", str(missing))
@@ -37,6 +54,15 @@ def test_missing_model_is_one_line_and_exit_code_2(tmp_path):
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
     assert len(errors) == 1 and str(missing) in errors[0]
+
+
+def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):
+    plain = tmp_path / "weights.bin"
+    plain.write_bytes(b"not a model")
+    result = run_supervise("--port", "0", "--model", str(plain))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
+    assert errors == [f"supervise: error: {plain} is a file, not a model directory or a .gguf file"]
 
 
 def test_directory_that_is_not_a_model_is_refused(tmp_path):
