@@ -55,9 +55,20 @@ SERVER_OPTIONS = (
 )
 
 
+class _GoneClientWrites(logging.Filter):
+    """grpcio logs, at ERROR with a traceback, a response written to a call whose client has just gone (cancelled,
+    killed): "ExecuteBatchError raised in core by servicer method". That is a client leaving, which the call's own
+    handling counts (CANCELLED) and the engine aborts; not an error of the server."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[0] is not None
+                    and record.exc_info[0].__name__ == "ExecuteBatchError")
+
+
 def run_grpc_api_server(launch: ApiServerLaunch) -> None:
     config, index, model = launch.config, launch.index, launch.model
     stop, group = enter_process(launch)
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_GoneClientWrites())
     launch.listen_socket.close()  # the supervisor's reservation stays with the supervisor
     engine = EngineClient.for_launch(launch, group)
     ctx = ServerContext(
