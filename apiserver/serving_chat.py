@@ -21,7 +21,7 @@ from apiserver.logprobs import LogprobFormatter
 from apiserver.prompt_offload import render_chat
 from apiserver.protocol import ChatCompletionRequest, ChatMessage
 from apiserver.reasoning import START, ReasoningParser
-from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.tool_choice import tool_plan
@@ -102,6 +102,9 @@ class ChatServing(GenerationServing):
                              "structured_outputs" if req.structured_outputs is not None else "response_format")
             grammar = checked(grammar, grammar_param)
         top_n = req.top_logprobs or 0
+        if req.logprobs and not req.stream:
+            check_whole_logprobs(req.n, max_tokens, top_n, 0, ctx.config.max_logprob_entries,
+                                 "top_logprobs" if top_n else "logprobs")
         sampling = sampling_params(
             req, ctx.model.generation_defaults, max_tokens, top_n if req.logprobs else None, ctx.model.vocab_size,
             grammar=grammar,

@@ -18,7 +18,7 @@ from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
 from apiserver.prompt_offload import encode
 from apiserver.protocol import CompletionRequest
-from apiserver.sampling_params import max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
@@ -79,6 +79,10 @@ class CompletionServing(GenerationServing):
             max_tokens = min(max_tokens, req.max_tokens)
         top_n = req.logprobs or 0
         echo_logprobs = req.echo and req.logprobs is not None
+        if req.logprobs is not None and not req.stream:
+            check_whole_logprobs(len(prompts) * req.n, max_tokens, top_n,
+                                 sum(len(p) for p in prompts) if echo_logprobs else 0, ctx.config.max_logprob_entries,
+                                 "logprobs")
         sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size,
                                    prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar)
         request_id = self.request_id(request, req.request_id)

@@ -69,6 +69,9 @@ class ServeConfig:
     # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
     # aborted. 0: no limit.
     max_stream_backlog_mb: int = 64
+    # The most logprob entries (a token's, and each of its top logprobs) a response that is not streamed may hold
+    # (apiserver.sampling_params.check_whole_logprobs): some 400 MB of an API server's memory. 0: no limit.
+    max_logprob_entries: int = 1_000_000
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False

@@ -217,6 +217,11 @@ def _positive(click_context, param, value):
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "
                    "than the engine writes; past it the request is aborted and the stream ends with an error "
                    "(gRPC: RESOURCE_EXHAUSTED). 0: no limit.")
+@click.option("--max-logprob-entries", default=_DEFAULTS.max_logprob_entries, show_default=True,
+              type=click.IntRange(0),
+              help="Most logprob entries (tokens x (1 + top logprobs), over every choice) a response that is not "
+                   "streamed may hold; a request that could need more gets HTTP 400 (stream it instead). 0: no "
+                   "limit.")
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")

@@ -146,6 +146,22 @@ def test_the_default_completion_budget_shrinks_to_the_room_left(http):
     assert error["code"] == "context_length_exceeded"
 
 
+def test_a_whole_response_too_large_for_its_logprobs_is_refused_before_it_runs(http):
+    """n=128 with 20 top logprobs over 400 tokens could hold 1,075,200 entries (--max-logprob-entries: 1,000,000),
+    some 400 MB of the API server's memory before the body is written: a 400 naming the way out. Streamed, the
+    same request keeps none (each event goes as it comes) and runs; fewer tokens fit."""
+    big = {"n": 128, "logprobs": True, "top_logprobs": 20, "max_tokens": 400}
+    error = assert_error(chat(http, **big), 400, "top_logprobs")
+    assert "1,075,200 logprob entries" in error["message"] and "Stream it" in error["message"]
+    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 128, "logprobs": 20,
+                                                            "max_tokens": 400}), 400, "logprobs")
+    with http.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **big, "stream": True}) \
+            as streamed:
+        assert streamed.status_code == 200
+        assert next(streamed.iter_lines()).startswith("data: ")
+    assert chat(http, **{**big, "max_tokens": 3}).status_code == 200
+
+
 def test_model_missing_or_unknown(http):
     assert_error(http.post("/v1/chat/completions", json={"messages": HELLO}), 400, "model")
     error = assert_error(chat(http, model="gpt-4"), 404, "model")

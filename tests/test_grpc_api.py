@@ -120,6 +120,8 @@ BAD_REQUESTS = [
     ("max_tokens 0 without prompt logprobs", generate_request(PROMPT, max_tokens=0), "max_tokens"),
     ("max_tokens huge", generate_request(PROMPT, max_tokens=4_000_000_000), "maximum context length"),
     ("n 1000", generate_request(PROMPT, max_tokens=2, n=1000), "`n` is 1000"),
+    ("a whole answer too large for its logprobs", generate_request(PROMPT, max_tokens=4000, n=128, logprobs=20),
+     "10,752,000 logprob entries"),
     ("schema that is not JSON", generate_request(PROMPT, json_schema="{not json"), "`sampling_params.json_schema`"),
     ("schema of the wrong type", generate_request(PROMPT, json_schema='{"type": 3}'), "`sampling_params.json_schema`"),
     ("schema nested 3000 deep", generate_request(PROMPT, json_schema='{"type": "object", "properties": {"a": ' * 3000

@@ -20,7 +20,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from apiserver.grpc.status import invalid_argument
 from apiserver.priority_header import BadPriority, header_priority
-from apiserver.sampling_params import max_tokens_for, sampling_params
+from apiserver.errors import InvalidRequest
+from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params
 from apiserver.structured_outputs import checked
 from ipc import grammar as grammars
 from ipc.model_info import ModelInfo
@@ -53,14 +54,25 @@ class GenerateInput:
     rank: int | None  # the data-parallel rank asked for: the engine client pins it (UnknownRank if not served)
 
 
-def parse_generate(request, metadata: dict, model: ModelInfo, max_choices: int | None = None) -> GenerateInput:
-    """`max_choices`: the most strings a `choice` constraint may list (--max-structured-output-choices)."""
+def parse_generate(request, metadata: dict, model: ModelInfo, max_choices: int | None = None,
+                   max_logprob_entries: int = 0) -> GenerateInput:
+    """`max_choices`: the most strings a `choice` constraint may list (--max-structured-output-choices);
+    `max_logprob_entries`: the most a call that is not streamed may hold (--max-logprob-entries)."""
     _refuse_unknown_fields(request)
     prompt = _prompt(request, model)
+    sampling = _sampling(request.sampling_params, model, len(prompt), max_choices)
+    if not request.stream and (sampling.logprobs is not None or sampling.prompt_logprobs is not None):
+        top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
+        try:
+            check_whole_logprobs(sampling.n if sampling.logprobs is not None else 0, sampling.max_tokens, top,
+                                 len(prompt) if sampling.prompt_logprobs is not None else 0, max_logprob_entries,
+                                 "logprobs")
+        except InvalidRequest as exc:
+            raise invalid_argument(exc.message) from None
     return GenerateInput(
         request_id=_request_id(request.request_id or metadata.get("x-request-id") or os.urandom(16).hex()),
         prompt=prompt,
-        sampling=_sampling(request.sampling_params, model, len(prompt), max_choices),
+        sampling=sampling,
         priority=_priority(metadata),
         stream=request.stream,
         rank=_rank(request, metadata),

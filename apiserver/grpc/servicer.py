@@ -51,7 +51,8 @@ class VllmEngineService:
     # Generation.
     async def Generate(self, request, context):
         async with _Call(self, request, context) as metadata:
-            call = parse_generate(request, metadata, self.ctx.model, self.ctx.config.max_structured_output_choices)
+            call = parse_generate(request, metadata, self.ctx.model, self.ctx.config.max_structured_output_choices,
+                                  self.ctx.config.max_logprob_entries)
             self._check_engine()
             if call.request_id != request.request_id:
                 # The id it got, for the record: trailing metadata travels with the status, at no extra cost (to
