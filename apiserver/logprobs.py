@@ -20,7 +20,7 @@ from apiserver.byte_stream import byte_tables
 
 
 class LogprobFormatter:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         tables = byte_tables(tokenizer)
         self._token_bytes = tables.keeping if tables is not None else None

@@ -35,10 +35,17 @@ class Invocations:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-        if isinstance(body, dict) and "messages" in body:
-            return await self._chat.create(request)  # the body stays cached on the request
-        if isinstance(body, dict) and "prompt" in body:
-            return await self._completion.create(request)
+        if not isinstance(body, dict):
+            raise InvalidRequest("/invocations needs a JSON object with `messages` (a chat completion) or `prompt` "
+                                 "(a completion).")
+        rewritten = None
+        if "model" not in body:  # SageMaker's payloads name no model: the one this server serves (as vLLM does)
+            body["model"] = self._chat.ctx.model_name
+            rewritten = orjson.dumps(body)
+        if "messages" in body:
+            return await self._chat.create(request, rewritten)  # else the body stays cached on the request
+        if "prompt" in body:
+            return await self._completion.create(request, rewritten)
         raise InvalidRequest("/invocations needs `messages` (a chat completion) or `prompt` (a completion).")
 
 

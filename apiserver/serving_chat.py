@@ -69,8 +69,9 @@ class ChatServing(GenerationServing):
         start_tokens = ctx.renderer.encode(START, add_special_tokens=False) if name else ()
         self.reasoning = ReasoningParser(name, len(start_tokens) == 1) if name else None
 
-    async def create(self, request: Request):
-        req = parse_body(ChatCompletionRequest, await request.body())
+    async def create(self, request: Request, body: bytes | None = None):
+        """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
+        req = parse_body(ChatCompletionRequest, body if body is not None else await request.body())
         self.check_model(req.model)
         self.check_engine()
         if req.top_logprobs and not req.logprobs:

@@ -56,8 +56,9 @@ class CompletionServing(GenerationServing):
                 raise InvalidRequest(f"Token id {max(ids)} is outside the vocabulary (size {vocab}).", param="prompt")
         return token_prompts, texts
 
-    async def create(self, request: Request):
-        req = parse_body(CompletionRequest, await request.body())
+    async def create(self, request: Request, body: bytes | None = None):
+        """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
+        req = parse_body(CompletionRequest, body if body is not None else await request.body())
         self.check_model(req.model)
         self.check_engine()
         if req.max_tokens == 0 and not req.echo:

@@ -56,6 +56,16 @@ def test_invocations_picks_the_endpoint_by_shape(http):
     assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
 
 
+def test_invocations_without_a_model_is_for_the_served_one(http):
+    """SageMaker's payloads name no model (vLLM serves them with its own); another model is still a 404."""
+    chat = http.post("/invocations", json={"messages": HELLO, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == MODEL
+    completion = http.post("/invocations", json={"prompt": "x", "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == "Paris is"
+    assert http.post("/invocations", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 400  # the OpenAI routes need one
+
+
 def test_tokenize_and_detokenize(http):
     tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello, world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
