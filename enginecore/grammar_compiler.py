@@ -79,8 +79,8 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            # Errors without llguidance's parser state and the whole grammar (ipc.grammar.engine_limits).
-            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=grammars.engine_limits())
+            # Errors without llguidance's parser state and the whole grammar: the API servers' check's limits.
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=grammars.parser_limits())
             error = grammars.short_reason(matcher.get_error()) if matcher.is_error() else None
             compiled = CompiledGrammar(None if error else matcher, error)
         except Exception as exc:  # a grammar llguidance refuses at the API level

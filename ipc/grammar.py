@@ -185,7 +185,7 @@ def check(grammar: str) -> None:
 def _check(grammar: str) -> str | None:
     matcher = _matcher()
     try:
-        error = matcher.validate_grammar(grammar, limits=_limits())
+        error = matcher.validate_grammar(grammar, limits=parser_limits())
     except (ValueError, TypeError) as exc:
         error = str(exc) or type(exc).__name__
     return short_reason(error) if error else _first_step_error(grammar)
@@ -198,7 +198,7 @@ def _first_step_error(grammar: str) -> str | None:
     A matcher over a 257-token byte vocabulary computes the first mask and takes the first allowed byte: what
     the engine does first, with llguidance's same limits; only a grammar's own faults fail it, whatever the
     model's tokenizer. A grammar that names special tokens cannot be built over bytes: the engine judges it."""
-    matcher = _matcher()(_byte_tokenizer(), grammar, log_level=0, limits=_limits())
+    matcher = _matcher()(_byte_tokenizer(), grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         return None
     mask = matcher.compute_bitmask()
@@ -213,7 +213,7 @@ def _first_step_error(grammar: str) -> str | None:
 
 def short_reason(error: str) -> str:
     """llguidance's error as a client may read it: on one line, without the parser state and the grammar it may
-    append (verbose errors, which _limits() asks it not to write; a matcher's errors still end in a marker),
+    append (verbose errors, which parser_limits() turns off; a matcher's errors still end in a marker),
     bounded, and in words where llguidance gives a name."""
     text = re.split(r"<state>|<non-verbose/>|<grammar>", error, maxsplit=1)[0]
     text = " ".join(text.split())
@@ -225,16 +225,12 @@ _NO_EXTENSION = {"NoExtensionBias": "the grammar allows no output at all (an uns
 
 
 @functools.cache
-def _limits() -> LLParserLimits:
+def parser_limits() -> LLParserLimits:
     """llguidance's default limits, but errors without the parser state and the grammar (which can run to tens
     of KB, the request's whole schema included): the same limits in the API servers' check and in the engine."""
     from llguidance import LLParserLimits
 
     return LLParserLimits(verbose_errors=False)
-
-
-def engine_limits() -> LLParserLimits:
-    return _limits()
 
 
 @functools.cache

@@ -94,7 +94,9 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
     assert response.status_code == 200, response.text
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "best_of": 1})
     assert response.status_code == 200, response.text
-    for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1})):
+    too_many = {f"k{i}": "v" for i in range(17)}  # OpenAI's metadata holds at most 16 pairs
+    for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1}),
+                         ("metadata", too_many), ("logit_bias", {"5": 1})):
         assert field in assert_error(chat(http, **{field: value}), 400)["param"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
 
