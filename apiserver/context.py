@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from apiserver.admission import AdmissionControl
 from apiserver.engine_client import EngineClient
+from apiserver.grammar_checker import GrammarChecker
 from apiserver.metrics import Metrics
 from ipc.config import ServeConfig
 from ipc.model_info import ModelInfo
@@ -31,10 +32,13 @@ class ServerContext:
     server_load: int = 0  # generation requests in flight here, counted with --enable-server-load-tracking
     created: int = field(default_factory=lambda: int(time.time()))
     _ranks_version: int = 0  # of the supervisor's rank marks, last taken
+    grammars: GrammarChecker = field(init=False)  # builds and checks requests' grammars, in a process of its own
 
     def __post_init__(self):
         if not self.model_name:
             self.model_name = self.config.model_name
+        self.grammars = GrammarChecker(f"supervise: GrammarChecker_{self.index}",
+                                       self.config.structured_output_check_timeout)
 
     def engine_dead_reason(self) -> str | None:
         """Why no engine can serve, if none can: each said ENGINE_DEAD, or the supervisor marked it down."""

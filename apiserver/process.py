@@ -126,4 +126,5 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
             raise SystemExit(ENGINE_GONE_EXIT_CODE)
     finally:
         heartbeat.cancel()
+        await ctx.grammars.close()
         await engine.close()

@@ -78,7 +78,7 @@ class ChatServing(GenerationServing):
             raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
         ctx = self.ctx
         tools = tool_plan(req, ctx.config)
-        grammar = requested_grammar(req, ctx.config.max_structured_output_choices)
+        grammar = await requested_grammar(req, ctx.grammars, ctx.config.max_structured_output_choices)
         if grammar is not None and tools.grammar is not None:
             raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `response_format` or "
                                  "`structured_outputs`.", param="tool_choice")
@@ -101,7 +101,7 @@ class ChatServing(GenerationServing):
                 grammar = self.reasoning.constrain(grammar, shape.opened)
             grammar_param = ("tools" if tools.grammar is not None else
                              "structured_outputs" if req.structured_outputs is not None else "response_format")
-            grammar = checked(grammar, grammar_param)
+            grammar = await checked(grammar, grammar_param, ctx.grammars)
         top_n = req.top_logprobs or 0
         if req.logprobs and not req.stream:
             check_whole_logprobs(req.n, max_tokens, top_n, 0, ctx.config.max_logprob_entries,

@@ -64,11 +64,11 @@ class CompletionServing(GenerationServing):
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequest("`max_tokens` must be at least 1 (0 only with `echo`).", param="max_tokens")
         ctx = self.ctx
-        grammar = requested_grammar(req, ctx.config.max_structured_output_choices)
+        grammar = await requested_grammar(req, ctx.grammars, ctx.config.max_structured_output_choices)
         grammar_param = None
         if grammar is not None:
             grammar_param = "response_format" if req.structured_outputs is None else "structured_outputs"
-            grammar = checked(grammar, grammar_param)
+            grammar = await checked(grammar, grammar_param, ctx.grammars)
         prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
         # OpenAI's default of 16 is a budget the client did not ask for: a long prompt shrinks it to the room it

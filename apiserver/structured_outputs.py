@@ -1,5 +1,7 @@
 """A request's structured output, as the grammar the engine will mask its tokens by (ipc/grammar.py), checked
-here: an invalid schema, regex or grammar is a 400 that names the problem, before anything is queued.
+here: an invalid schema, regex or grammar is a 400 that names the problem, before anything is queued. The
+grammars of `structured_outputs` are built, and every grammar is checked, by the server's GrammarChecker, in a
+process of its own (apiserver/grammar_checker.py); a JSON schema's is built here (llguidance only wraps it).
 
 The fields, on both chat and completions:
 - `response_format`: `{"type": "json_object"}`, or `{"type": "json_schema", "json_schema": {"name", "schema",
@@ -11,12 +13,13 @@ The fields, on both chat and completions:
 from __future__ import annotations
 
 from apiserver.errors import InvalidRequest
+from apiserver.grammar_checker import GrammarChecker
 from ipc import grammar as grammars
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def requested_grammar(request, max_choices: int | None = None) -> str | None:
+async def requested_grammar(request, checker: GrammarChecker, max_choices: int | None = None) -> str | None:
     """The grammar of the request's response_format or structured_outputs (not checked yet: see `checked`);
     `max_choices`: the most strings a `choice` may list (--max-structured-output-choices)."""
     fmt = request.response_format
@@ -24,7 +27,7 @@ def requested_grammar(request, max_choices: int | None = None) -> str | None:
     if fmt is not None and fmt.type != "text" and extras is not None:
         raise InvalidRequest("Give `response_format` or `structured_outputs`, not both.", param="structured_outputs")
     if extras is not None:
-        return _extras_grammar(extras, max_choices)
+        return await _extras_grammar(extras, checker, max_choices)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -36,7 +39,7 @@ def requested_grammar(request, max_choices: int | None = None) -> str | None:
     return _schema_grammar(schema, True, "response_format.json_schema.schema")
 
 
-def _extras_grammar(extras, max_choices: int | None) -> str:
+async def _extras_grammar(extras, checker: GrammarChecker, max_choices: int | None) -> str:
     given = [kind for kind in _KINDS if getattr(extras, kind + "_" if kind == "json" else kind) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequest(
@@ -46,7 +49,7 @@ def _extras_grammar(extras, max_choices: int | None) -> str:
     kind = given[0]
     value = getattr(extras, kind + "_" if kind == "json" else kind)
     try:
-        return grammars.from_constraint(kind, value, not extras.disable_any_whitespace, max_choices)
+        return await checker.build(kind, value, not extras.disable_any_whitespace, max_choices)
     except grammars.GrammarError as exc:
         raise InvalidRequest(f"Invalid `structured_outputs.{kind}`: {exc}", param=f"structured_outputs.{kind}") from None
 
@@ -58,10 +61,10 @@ def _schema_grammar(schema, any_whitespace: bool, param: str) -> str:
         raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param) from None
 
 
-def checked(grammar: str, param: str) -> str:
+async def checked(grammar: str, param: str, checker: GrammarChecker) -> str:
     """`grammar`, once it compiles; else a 400 naming the problem."""
     try:
-        grammars.check(grammar)
+        await checker.check(grammar)
     except grammars.GrammarError as exc:
         raise InvalidRequest(f"Invalid `{param}`: {exc}", param=param, code="invalid_structured_output") from None
     return grammar

@@ -25,6 +25,10 @@ from ipc.messages import FinishReason
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # compiled grammars kept (a compiled JSON schema is tens of KB)
+# The worker thread's stack: llguidance's compiler recurses along a grammar's chains of rules and $refs (some 8 KB
+# a level), and a stack overflow kills the engine and its whole group. The API servers check every grammar with
+# 2 MB (apiserver/grammar_checker_process.py), so what reaches an engine compiles here with room to spare.
+COMPILE_STACK_BYTES = 64 << 20
 
 
 class CompiledGrammar:
@@ -70,10 +74,19 @@ class GrammarCompiler:
         if future is None:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-            future = self._worker.submit(self._compile, grammar)
+            future = self._submit(grammar)
             self._in_flight[grammar] = future
             future.add_done_callback(lambda _: self._in_flight.pop(grammar, None))
         return future
+
+    def _submit(self, grammar: str) -> Future:
+        """The compile queued on the worker, whose thread (started by its first submit) gets COMPILE_STACK_BYTES."""
+        assert self._worker is not None
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            return self._worker.submit(self._compile, grammar)
+        finally:
+            threading.stack_size(previous)
 
     def _compile(self, grammar: str) -> CompiledGrammar:
         import llguidance

@@ -62,9 +62,12 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
-    # The most strings a structured output's `choice` may list (a 400 past it): the API server checks the list's
-    # grammar in its event loop and the engine compiles it, each some milliseconds per thousand strings.
+    # The most strings a structured output's `choice` may list (a 400 past it): the API server's grammar checker
+    # builds and checks the list's grammar and the engine compiles it, each some milliseconds per thousand strings.
     max_structured_output_choices: int = 10_000
+    # Seconds an API server's grammar checker may take over one request's grammar (building and checking it, in a
+    # process of its own: apiserver/grammar_checker.py); past them it is refused. Real schemas take milliseconds.
+    structured_output_check_timeout: float = 5.0
     # A streamed response's outputs that wait in the API server for a client that reads slower than the engine
     # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
     # aborted. 0: no limit.

@@ -174,14 +174,13 @@ def after_reasoning(grammar: str, end_tag: str, start_tag: str | None) -> str:
 
 def check(grammar: str) -> None:
     """GrammarError naming the problem, unless `grammar` compiles and can take its first step. Needs no
-    tokenizer: cheap (a millisecond or so for a schema of a few properties); the verdict on each of the last
-    few hundred grammars is kept (a client that repeats a costly one pays once)."""
+    tokenizer: cheap (a millisecond or so for a schema of a few properties), but a client's grammar can take
+    seconds, or crash llguidance: an API server calls it in a process of its own (apiserver/grammar_checker.py)."""
     error = _check(grammar)
     if error:
         raise GrammarError(error)
 
 
-@functools.lru_cache(maxsize=256)
 def _check(grammar: str) -> str | None:
     matcher = _matcher()
     try:

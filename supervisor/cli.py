@@ -212,6 +212,10 @@ def _positive(click_context, param, value):
               type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
 @click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
               type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
+@click.option("--structured-output-check-timeout", default=_DEFAULTS.structured_output_check_timeout,
+              show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds an API server may spend building and checking one request's structured-output grammar "
+                   "(in a process of its own); past them the request gets HTTP 400.")
 @click.option("--max-stream-backlog-mb", default=_DEFAULTS.max_stream_backlog_mb, show_default=True,
               type=click.IntRange(0),
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "

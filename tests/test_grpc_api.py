@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from tests.grpc_support import SERVICE, GrpcSupervise, error_of, generate_request, health_status
+from tests.hostile_grammars import ref_chain, rule_chain
 from tests.supervise_process import title_of
 
 SENTENCE_START = "Paris is the capital of France."
@@ -127,6 +128,12 @@ BAD_REQUESTS = [
     ("schema nested 3000 deep", generate_request(PROMPT, json_schema='{"type": "object", "properties": {"a": ' * 3000
                                                  + "{}" + "}}" * 3000), "nested too deeply"),
     ("regex that does not compile", generate_request(PROMPT, regex="(a"), "`sampling_params.regex`"),
+    # Each crashed llguidance's compiler (a stack overflow), and with it the API server, before it ran in a process
+    # of its own (apiserver/grammar_checker.py); the next call must find the same server serving.
+    ("schema whose $refs chain 1,000 deep", generate_request(PROMPT, json_schema=json.dumps(ref_chain(1000))),
+     "crashed the grammar compiler"),
+    ("grammar whose rules chain 4,000 deep", generate_request(PROMPT, grammar=rule_chain(4000)),
+     "crashed the grammar compiler"),
     ("no choices", generate_request(PROMPT, choice=pb.ChoiceConstraint(choices=[])), "list of choices is empty"),
     ("grammar that does not parse", generate_request(PROMPT, grammar="start: (("), "`sampling_params.grammar`"),
     ("structural tag", generate_request(PROMPT, structural_tag="{}"), "`structural_tag` are not supported"),

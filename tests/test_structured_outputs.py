@@ -9,6 +9,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.hostile_grammars import ref_chain, rule_chain
+
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0}},
@@ -181,3 +183,37 @@ def test_thousands_of_choices_answer_one_of_them(client, model):
     assert reply.choices[0].message.content in labels and reply.choices[0].finish_reason == "stop"
     text, finish = _streamed_chat(client.chat.completions.create(temperature=1.0, seed=9, stream=True, **args))
     assert text in labels and finish == "stop"
+
+
+def test_a_grammar_that_crashes_the_compiler_is_a_400_and_its_server_serves_on(served, client, model):
+    """Each of these overflowed the stack of llguidance's compiler in the API server's event loop: the server died
+    with every stream on it, and six in a minute took the group down. Checked in a process of their own, each is
+    a 400 (the second time from the checker's verdicts, without crashing it again), and the same API servers
+    serve on."""
+    servers = {title: served.child_titled(title).pid for title in ("ApiServer_0", "ApiServer_1")}
+    hostile = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ref_chain(1000)}}},
+        {"structured_outputs": {"grammar": rule_chain(4000)}},
+    ]
+    for fields in hostile * 2:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=4, extra_body=fields)
+        _grammar_400(caught.value.body, next(iter(fields)), "crashed the grammar compiler")
+    assert {title: served.child_titled(title).pid for title in servers} == servers
+    reply = client.completions.create(model=model, prompt="The date of the next full moon is", max_tokens=12,
+                                      temperature=0, extra_body={"structured_outputs": {"regex": DATE}})
+    assert re.fullmatch(DATE, reply.choices[0].text)
+
+
+def test_a_schema_chained_100_deep_is_served(client, model):
+    """Within what the checker's small stack allows (some 200 levels), with room to spare in the engine."""
+    schema = ref_chain(100)
+    reply = client.chat.completions.create(
+        model=model, messages=ASK_PERSON, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "chain", "schema": schema}},
+    )
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")

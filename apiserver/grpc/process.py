@@ -118,6 +118,7 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
         return ENGINE_GONE_EXIT_CODE if stopping.gone else 0
     finally:
         heartbeat.cancel()
+        await ctx.grammars.close()
         await engine.close()
 
 

@@ -15,9 +15,11 @@ import math
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from apiserver.grammar_checker import GrammarChecker
 from apiserver.grpc.status import invalid_argument
 from apiserver.priority_header import BadPriority, header_priority
 from apiserver.errors import InvalidRequest
@@ -52,15 +54,16 @@ class GenerateInput:
     priority: int
     stream: bool
     rank: int | None  # the data-parallel rank asked for: the engine client pins it (UnknownRank if not served)
+    # The constraint, (its field, its value), whose grammar `constrain` puts in `sampling`.
+    constraint: tuple[str, Any] | None = None
 
 
-def parse_generate(request, metadata: dict, model: ModelInfo, max_choices: int | None = None,
-                   max_logprob_entries: int = 0) -> GenerateInput:
-    """`max_choices`: the most strings a `choice` constraint may list (--max-structured-output-choices);
-    `max_logprob_entries`: the most a call that is not streamed may hold (--max-logprob-entries)."""
+def parse_generate(request, metadata: dict, model: ModelInfo, max_logprob_entries: int = 0) -> GenerateInput:
+    """`max_logprob_entries`: the most a call that is not streamed may hold (--max-logprob-entries). A
+    constraint is only read here: `constrain` builds its grammar."""
     _refuse_unknown_fields(request)
     prompt = _prompt(request, model)
-    sampling = _sampling(request.sampling_params, model, len(prompt), max_choices)
+    sampling = _sampling(request.sampling_params, model, len(prompt))
     if not request.stream and (sampling.logprobs is not None or sampling.prompt_logprobs is not None):
         top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
         try:
@@ -76,7 +79,27 @@ def parse_generate(request, metadata: dict, model: ModelInfo, max_choices: int |
         priority=_priority(metadata),
         stream=request.stream,
         rank=_rank(request, metadata),
+        constraint=_constraint(request.sampling_params),
     )
+
+
+async def constrain(call: GenerateInput, checker: GrammarChecker, max_choices: int | None) -> None:
+    """The call's constraint as the engine's grammar (ipc/grammar.py), built and checked by the server's grammar
+    checker to refuse a bad one with its reason; `max_choices`: the most strings a `choice` may list
+    (--max-structured-output-choices). It applies from the first generated token: this engine runs no reasoning
+    parser with --grpc, so `grammar_from_first_token` asks for what it does anyway (GetServerInfo says
+    `first_token`)."""
+    if call.constraint is None:
+        return
+    name, value = call.constraint
+    param = f"sampling_params.{name}"
+    try:
+        grammar = await checker.build(_CONSTRAINT_KINDS[name], value, max_choices=max_choices)
+        call.sampling.grammar = await checked(grammar, param, checker)
+    except grammars.GrammarError as exc:
+        raise invalid_argument(f"invalid `{param}`: {exc}") from None
+    except InvalidRequest as exc:
+        raise invalid_argument(exc.message) from None
 
 
 def _refuse_unknown_fields(request) -> None:
@@ -121,8 +144,7 @@ def _prompt(request, model: ModelInfo) -> list[int]:
     return prompt
 
 
-def _sampling(params, model: ModelInfo, prompt_len: int, max_choices: int | None) -> SamplingParams:
-    grammar = _grammar(params, max_choices)
+def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
     if len(params.logit_bias):
         raise invalid_argument("`logit_bias` is not supported by this server's engine")
     for name, (low, high, low_allowed) in _FLOAT_RANGES.items():
@@ -156,14 +178,11 @@ def _sampling(params, model: ModelInfo, prompt_len: int, max_choices: int | None
         min_tokens=params.min_tokens,
         n=n,
     )
-    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs,
-                           grammar)
+    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs)
 
 
-def _grammar(params, max_choices: int | None) -> str | None:
-    """The constraint as the engine's grammar (ipc/grammar.py), compiled here once to refuse a bad one with its
-    reason. It applies from the first generated token: this engine runs no reasoning parser with --grpc, so
-    `grammar_from_first_token` asks for what it does anyway (GetServerInfo says `first_token`)."""
+def _constraint(params) -> tuple[str, Any] | None:
+    """The call's constraint, (its field, its value), or None."""
     constraint = params.WhichOneof("constraint")
     if constraint is None or (constraint == "json_object" and not params.json_object):
         return None
@@ -171,13 +190,7 @@ def _grammar(params, max_choices: int | None) -> str | None:
         raise invalid_argument(f"structured outputs by `{constraint}` are not supported by this server: use "
                                f"json_schema, json_object, regex, choice or grammar")
     value = getattr(params, constraint)
-    if constraint == "choice":
-        value = list(value.choices)
-    try:
-        return checked(grammars.from_constraint(_CONSTRAINT_KINDS[constraint], value, max_choices=max_choices),
-                       f"sampling_params.{constraint}")
-    except grammars.GrammarError as exc:
-        raise invalid_argument(f"invalid `sampling_params.{constraint}`: {exc}") from None
+    return constraint, list(value.choices) if constraint == "choice" else value
 
 
 def _top_k(params, name: str) -> int | None:

@@ -23,7 +23,7 @@ from apiserver.context import ServerContext
 from apiserver.engine_client import EngineDeadError
 from apiserver.grpc.generate import RunningRequests, generate
 from apiserver.grpc.info import TokenizerBundle, loads, model_info, server_info
-from apiserver.grpc.request import parse_generate
+from apiserver.grpc.request import constrain, parse_generate
 from apiserver.grpc.status import Code, RpcError, as_rpc_error, invalid_argument
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class VllmEngineService:
     # Generation.
     async def Generate(self, request, context):
         async with _Call(self, request, context) as metadata:
-            call = parse_generate(request, metadata, self.ctx.model, self.ctx.config.max_structured_output_choices,
-                                  self.ctx.config.max_logprob_entries)
+            call = parse_generate(request, metadata, self.ctx.model, self.ctx.config.max_logprob_entries)
             self._check_engine()
+            await constrain(call, self.ctx.grammars, self.ctx.config.max_structured_output_choices)
             if call.request_id != request.request_id:
                 # The id it got, for the record: trailing metadata travels with the status, at no extra cost (to
                 # stop a call it did not name, a client cancels it).

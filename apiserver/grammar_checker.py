@@ -1,0 +1,104 @@
+"""An API server's grammar checker: builds and checks requests' grammars in a process of its own
+(apiserver/grammar_checker_process.py says why), so a grammar that crashes llguidance or runs for seconds costs
+its own request a 400, and the event loop goes on serving everyone else meanwhile.
+
+The process starts with the first grammar (a server that never sees one never has it) and again after one killed
+it. It takes one request at a time; one that runs past `timeout` seconds (--structured-output-check-timeout) is
+killed with its process, and refused. Verdicts are kept for the last CACHE_SIZE grammars, keyed by a digest (a
+grammar may be megabytes): a client that repeats a costly one pays once, and so does one that repeats a fatal one.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import sys
+from collections import OrderedDict
+
+from ipc.grammar import GrammarError
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+# An answer is one line: a built grammar is about its request's size (at most --max-request-body-bytes) after
+# JSON escaping.
+_LINE_LIMIT = 1 << 30
+
+
+class GrammarChecker:
+    def __init__(self, title: str, timeout: float):
+        """`title`: the process's title; `timeout`: seconds one request may take."""
+        self._title = title
+        self._timeout = timeout
+        self._process: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()  # one request at a time: answers come in order
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> error, or None: it passed
+
+    async def build(self, kind: str, value, any_whitespace: bool = True, max_choices: int | None = None) -> str:
+        """The grammar of a constraint by its name (ipc.grammar.from_constraint); GrammarError if it has none."""
+        answer = await self._ask("build", [kind, value, any_whitespace, max_choices], keep_answer=False)
+        return answer["grammar"]
+
+    async def check(self, grammar: str) -> None:
+        """GrammarError naming the problem, unless `grammar` compiles and takes its first step (ipc.grammar.check)."""
+        await self._ask("check", [grammar], keep_answer=True)
+
+    async def close(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+            await self._process.wait()
+        self._process = None
+
+    async def _ask(self, op: str, args: list, keep_answer: bool) -> dict:
+        """The process's answer; GrammarError for an error. `keep_answer`: keep the verdict, not only an error."""
+        try:
+            line = json.dumps({"op": op, "args": args}).encode() + b"\n"
+        except (ValueError, RecursionError):  # a schema nested past json's recursion limit
+            raise GrammarError("the schema is nested too deeply") from None
+        digest = hashlib.sha256(line).digest()
+        if digest in self._verdicts:  # a check's verdict, or a build's error
+            self._verdicts.move_to_end(digest)
+            error = self._verdicts[digest]
+            if error is not None:
+                raise GrammarError(error)
+            return {"ok": True}
+        async with self._lock:
+            answer = await self._exchange(line)
+        error = answer.get("error")
+        if error is not None or keep_answer:
+            self._verdicts[digest] = error
+            if len(self._verdicts) > CACHE_SIZE:
+                self._verdicts.popitem(last=False)
+        if error is not None:
+            raise GrammarError(error)
+        return answer
+
+    async def _exchange(self, line: bytes) -> dict:
+        """The process's answer to `line`; an error for a request that killed it or ran past the timeout."""
+        process = await self._running()
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(line)
+            await asyncio.wait_for(process.stdin.drain(), self._timeout)
+            reply = await asyncio.wait_for(process.stdout.readline(), self._timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            return {"error": f"it took more than {self._timeout:g} s to check (--structured-output-check-timeout)"}
+        except (BrokenPipeError, ConnectionResetError):
+            reply = b""
+        if not reply:
+            code = await process.wait()
+            self._process = None
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            log.warning("the grammar checker died (%s) on a request's grammar, which is refused", how)
+            return {"error": "it crashed the grammar compiler (nested or chained too deeply?)"}
+        return json.loads(reply)
+
+    async def _running(self) -> asyncio.subprocess.Process:
+        if self._process is None or self._process.returncode is not None:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "apiserver.grammar_checker_process", self._title,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT,
+            )
+        return self._process

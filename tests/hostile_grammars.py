@@ -1,0 +1,23 @@
+"""Grammars a client can send that crash llguidance's compiler (a stack overflow: it recurses along chains of
+$refs and rules) or keep it busy for seconds (the GBNF converter's time grows faster than the square of the rules),
+measured with llguidance 1.9: what an API server must survive (apiserver/grammar_checker.py)."""
+
+
+def ref_chain(depth: int) -> dict:
+    """A JSON schema whose `$ref`s chain `depth` deep: 1,000 (105 KB) overflowed an 8 MB stack, 100 takes a few
+    hundred KB. No property is required, so `{}` is valid."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(depth: int) -> str:
+    """A Lark grammar whose rules chain `depth` deep: 3,200 overflowed an 8 MB stack."""
+    rules = "\n".join(f'r{i}: "a" r{i + 1} | "b"' for i in range(depth))
+    return f'start: r0\n{rules}\nr{depth}: "z"\n'
+
+
+def gbnf_chain(rules: int) -> str:
+    """A GBNF grammar of `rules` chained rules, converted to Lark in Python: 3,000 took 13 s."""
+    chain = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(rules))
+    return f'root ::= r0\n{chain}\nr{rules} ::= "z"\n'

@@ -1,0 +1,57 @@
+"""An API server's grammar checker (apiserver/grammar_checker.py) against grammars that would stall or crash its
+event loop: the slow one is refused at --structured-output-check-timeout while the server answers everyone else,
+the one that crashes the checker is refused (once by the crash, then by the verdict kept), and the checker comes
+back for the next grammar."""
+import threading
+import time
+
+import httpx
+import psutil
+
+from tests.hostile_grammars import gbnf_chain, ref_chain
+from tests.supervise_process import title_of
+
+
+def _chat(http: httpx.Client, **extra) -> httpx.Response:
+    body = {"model": "sim:1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    return http.post("/v1/chat/completions", json=body)
+
+
+def test_a_slow_grammar_is_refused_at_the_timeout_while_the_server_serves_on(start_supervise):
+    server = start_supervise("--model", "sim:1", "--structured-output-check-timeout", "1")
+    slowest_health = []
+
+    def poll_health(stop: threading.Event) -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert http.get("/health").status_code == 200
+                slowest_health.append(time.monotonic() - started)
+                time.sleep(0.05)
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert _chat(http, structured_outputs={"regex": "[a-z]+"}).status_code == 200  # the checker is up
+        stop = threading.Event()
+        poller = threading.Thread(target=poll_health, args=(stop,))
+        poller.start()
+        started = time.monotonic()
+        # 3,000 GBNF rules: 13 s of Python in the converter, all of it in the event loop before.
+        response = _chat(http, structured_outputs={"grammar": gbnf_chain(3000)})
+        took = time.monotonic() - started
+        stop.set()
+        poller.join()
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "--structured-output-check-timeout" in error["message"] and error["param"] == "structured_outputs.grammar"
+        assert took < 8, took
+        assert len(slowest_health) >= 5 and max(slowest_health) < 1.0, slowest_health
+        # The killed checker is started again for the next grammar.
+        assert _chat(http, structured_outputs={"choice": ["yes", "no"]}).status_code == 200
+        for _ in range(3):
+            response = _chat(http, response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "x", "schema": ref_chain(1000)}})
+            assert response.status_code == 400 and "crashed" in response.json()["error"]["message"], response.text
+        assert _chat(http, structured_outputs={"choice": ["yes", "no"]}).status_code == 200
+    assert server.log().count("the grammar checker died") == 1, server.log()
+    checkers = [p for p in server.children() if title_of(p) == "supervise: GrammarChecker_0"]
+    assert len(checkers) == 1 and checkers[0].status() != psutil.STATUS_ZOMBIE
