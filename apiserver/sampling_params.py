@@ -76,7 +76,7 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         seed=request.seed,
-        stop_token_ids=list(stop_token_ids),
+        stop_token_ids=sorted(set(stop_token_ids)),  # once each: at most the vocabulary, whatever was sent
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         n=request.n,
@@ -87,7 +87,13 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
     )
 
 
-def stop_strings(stop) -> list[str]:
+def stop_strings(stop, limit: int) -> list[str]:
+    """The request's stop strings, each once; a 400 past `limit` (--max-stop-strings): each is looked for in every
+    token's text, in the event loop (10,000 of them on 16 choices held it past the heartbeat timeout)."""
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else list(stop)
+    strings = list(dict.fromkeys([stop] if isinstance(stop, str) else stop))
+    if limit and len(strings) > limit:
+        raise InvalidRequest(f"`stop` holds {len(strings):,} strings; at most {limit:,} are served (--max-stop-strings).",
+                             param="stop")
+    return strings

@@ -88,7 +88,7 @@ class CompletionServing(GenerationServing):
                                    prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar)
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
-            ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop),
+            ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop, ctx.config.max_stop_strings),
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
             self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )

@@ -143,6 +143,7 @@ class EngineBase:
             priority=request.priority if self.use_priority else 0, arrival=next(self._arrivals),
             generator=self._choice_generator(p, 0), pending_forks=list(range(1, max(1, p.n))),
             pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
+            stop_token_ids=frozenset(p.stop_token_ids),
         )
         if p.grammar is not None:
             error = self._constrain(seq)
@@ -280,7 +281,7 @@ class EngineBase:
         p = seq.sampling
         num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
-            if token in p.stop_token_ids:
+            if token in seq.stop_token_ids:
                 return FinishReason.STOP, token
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP, None

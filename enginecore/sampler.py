@@ -146,13 +146,20 @@ class Sampler:
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         for i in rows:
-            p = seqs[i].sampling
-            barred = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            barred = [t for t in barred if 0 <= t < logits.shape[1]]
-            if barred:
-                # index_fill_ with the ids on the device: indexing a CUDA tensor with a Python list copies the list
-                # over synchronously, and the host would wait for the GPU (asynchronous scheduling's overlap lost).
-                logits[i].index_fill_(0, to_device(barred, logits.device), float("-inf"))
+            barred = self._min_tokens_barred(seqs[i], logits)
+            if barred.numel():
+                logits[i].index_fill_(0, barred, float("-inf"))
+
+    def _min_tokens_barred(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """The ids `seq` may not end with yet, on the device, made once (a request may list the whole vocabulary
+        as stop tokens). index_fill_ takes them there: indexing a CUDA tensor with a Python list copies the list
+        over synchronously, and the host would wait for the GPU (asynchronous scheduling's overlap lost)."""
+        barred = seq.min_tokens_barred
+        if not isinstance(barred, torch.Tensor):
+            ids = [*seq.stop_token_ids, *([] if seq.sampling.ignore_eos else self.eos_token_ids)]
+            barred = to_device(sorted({t for t in ids if 0 <= t < logits.shape[1]}), logits.device)
+            seq.min_tokens_barred = barred
+        return barred
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.sampling for s in seqs]

@@ -50,6 +50,10 @@ class Sequence:
     num_prompt_logprobs: int = 0
     pending_prompt_logprobs: list | None = None
     grammar: object | None = None  # structured outputs: its matcher (enginecore.structured_output.GrammarState)
+    # sampling.stop_token_ids as a set, made once per request: the check runs for every token, and a request may
+    # list the whole vocabulary (a list of a million ids once made every step of its engine take 2.4 s).
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens_barred: object | None = None  # the ids barred until min_tokens, on the device (the sampler's)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -90,4 +94,5 @@ class Sequence:
             num_registered_blocks=self.num_registered_blocks, num_cached_tokens=self.num_cached_tokens,
             num_prompt_logprobs=self.num_prompt_logprobs,
             grammar=None if self.grammar is None else self.grammar.fork(),
+            stop_token_ids=self.stop_token_ids, min_tokens_barred=self.min_tokens_barred,
         )

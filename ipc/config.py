@@ -68,6 +68,9 @@ class ServeConfig:
     # Seconds an API server's grammar checker may take over one request's grammar (building and checking it, in a
     # process of its own: apiserver/grammar_checker.py); past them it is refused. Real schemas take milliseconds.
     structured_output_check_timeout: float = 5.0
+    # The most stop strings a request may give (a 400 past it; OpenAI takes 4): an API server looks for each in every
+    # new token's text, in its event loop. 0: no limit.
+    max_stop_strings: int = 64
     # A streamed response's outputs that wait in the API server for a client that reads slower than the engine
     # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
     # aborted. 0: no limit.

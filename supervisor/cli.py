@@ -216,6 +216,9 @@ def _positive(click_context, param, value):
               show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds an API server may spend building and checking one request's structured-output grammar "
                    "(in a process of its own); past them the request gets HTTP 400.")
+@click.option("--max-stop-strings", default=_DEFAULTS.max_stop_strings, show_default=True, type=click.IntRange(0),
+              help="Most stop strings a request may give (OpenAI takes 4); more get HTTP 400. Each is looked for in "
+                   "every token's text, so thousands would slow every stream of the API server. 0: no limit.")
 @click.option("--max-stream-backlog-mb", default=_DEFAULTS.max_stream_backlog_mb, show_default=True,
               type=click.IntRange(0),
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "

@@ -1,0 +1,66 @@
+"""Lists a client can make long, `stop` strings and `stop_token_ids`, cost their own request, not everyone else's.
+
+Before: 10,000 stop strings on 16 choices (150 KB) held an API server's event loop past the heartbeat timeout, and
+the supervisor killed it with every stream on it; a million stop token ids on 128 choices (7 MB) made every step
+of the engine take 2.4 s, for every client of that engine."""
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.supervise_process import Supervise
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Supervise("--model", "sim:5", "--api-server-count", "1") as group:
+        yield group.wait_serving()
+
+
+def _body(**extra) -> dict:
+    return {"model": "sim:5", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def _timed_beside(server, hostile: dict) -> tuple[httpx.Response, float]:
+    """The hostile request's response, and how long a plain 40-token request took while it ran."""
+    answer: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            answer.append(http.post(CHAT, json=hostile))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.5)  # it runs
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        started = time.monotonic()
+        plain = http.post(CHAT, json=_body(max_tokens=40, ignore_eos=True))
+        took = time.monotonic() - started
+    sender.join()
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 40
+    return answer[0], took
+
+
+def test_a_vocabulary_of_stop_token_ids_slows_no_other_request(server):
+    ids = [49000 + i % 100 for i in range(300_000)]  # ids the simulated model never draws, each 3,000 times
+    hostile = _body(n=64, max_tokens=80, ignore_eos=True, stop_token_ids=ids)
+    response, took = _timed_beside(server, hostile)
+    assert response.status_code == 200, response.text
+    assert all(c["finish_reason"] == "length" for c in response.json()["choices"])
+    assert took < 2.0, f"a 40-token request took {took:.1f} s beside it (0.2 s at 5 ms a step)"
+
+
+def test_stop_strings_past_the_limit_are_a_400_and_the_limit_costs_no_one(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        response = http.post(CHAT, json=_body(max_tokens=4, stop=[f"zq{i:05d}x" for i in range(65)]))
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "stop" and "--max-stop-strings" in error["message"], error
+    # 64 (and a thousand copies of one, counted once) on 16 choices: served, and the server keeps its pace.
+    stops = [f"zq{i:05d}x" for i in range(63)] + ["never"] * 1000
+    response, took = _timed_beside(server, _body(n=16, max_tokens=120, ignore_eos=True, stop=stops))
+    assert response.status_code == 200, response.text
+    assert took < 2.0, f"a 40-token request took {took:.1f} s beside it"
