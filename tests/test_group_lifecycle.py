@@ -170,6 +170,27 @@ def test_killed_supervisor_takes_every_child_with_it(start_supervise):
     assert wait_gone(children, 5) == []
 
 
+def shared_memory_files(process: psutil.Process) -> set[str]:
+    """The files of /dev/shm (named POSIX shared memory) that `process` maps."""
+    return {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+
+
+def test_a_group_killed_all_at_once_leaves_no_shared_memory_behind(start_supervise):
+    """Every process of the group SIGKILLed together, as systemd's final SIGKILL of a unit or a cgroup's OOM kill
+    does: no process is left to clean up (a named segment would stay in /dev/shm for good), and another group on
+    the machine serves on untouched."""
+    server = start_supervise(*SIM)
+    neighbour = start_supervise(*SIM)
+    group = [psutil.Process(server.pid), *server.children()]
+    mapped = shared_memory_files(server.child_titled("ApiServer_0"))
+    for process in group:
+        process.kill()
+    assert wait_gone(group, 5) == []
+    assert [path for path in mapped if os.path.exists(path)] == []
+    # The neighbour's group state is whole: its live API server is still in it (the gauge reads its slot).
+    assert "supervise_api_servers 1" in httpx.get(f"{neighbour.url}/metrics").text.splitlines()
+
+
 def test_second_supervise_on_the_same_port_refuses(start_supervise):
     server = start_supervise(*SIM)
     port = int(server.url.rsplit(":", 1)[1])
