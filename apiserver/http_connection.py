@@ -21,8 +21,8 @@ every answer by status class, whoever made it"), except where the app already ru
 reads a disconnect, and its own answer is the one counted.
 
 While the group stops, requests that arrive on open keep-alive connections get 503 with `Connection: close`
-and the OpenAI error body (ConnectionPolicy.refusing): the group will not finish new work, so the client
-retries elsewhere at once. Requests already in flight finish.
+and the OpenAI error body (ConnectionPolicy.refusing), counted in /metrics too: the group will not finish new
+work, so the client retries elsewhere at once. Requests already in flight finish.
 """
 from __future__ import annotations
 
@@ -132,6 +132,8 @@ class HttpConnection(HttpToolsProtocol):
         self._headers_done = True
         if self._policy.refusing:
             self.app = shutting_down_app  # this connection closes after the answer
+            if self._policy.count_status is not None:  # (the app's status counter never sees this answer)
+                self._policy.count_status(503)
         super().on_headers_complete()
         cycle = self.cycle
         if self._policy.direct_body and cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
