@@ -38,7 +38,7 @@ def enter_process(launch: ApiServerLaunch):
 
     setproctitle(f"supervise: ApiServer_{launch.index}")
     setup_logging(f"ApiServer_{launch.index}", launch.config.log_level)
-    die_with_parent(launch.lifeline)
+    die_with_parent(launch.lifeline, runtime_dir=launch.config.runtime_dir)
     stop = StopSignals()
     group = GroupState.attach(launch.shared_state)
     group.claim(launch.index, os.getpid())
