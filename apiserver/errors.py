@@ -73,7 +73,8 @@ class ModelNotFound(ApiError):
 
 class RequestTooLarge(ApiError):
     """A body over --max-request-body-bytes. The connection closes after it (uvicorn honours the header), as
-    servers close after refusing a body: the rest of it may still be on its way, and is not read."""
+    servers close after refusing a body: the rest of it, still on its way, is read and dropped for a while
+    first (apiserver/lingering_close.py)."""
 
     status = 413
     headers = {"Connection": "close"}

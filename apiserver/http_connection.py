@@ -20,9 +20,12 @@ the OpenAI error body with `Connection: close`, counted in /metrics like the app
 every answer by status class, whoever made it"), except where the app already runs the request: then it
 reads a disconnect, and its own answer is the one counted.
 
+An answer made while the request's body is still coming (a 413, the drain's 503) closes the connection the way
+nginx does, lingering: apiserver/lingering_close.py.
+
 While the group stops, requests that arrive on open keep-alive connections get 503 with `Connection: close`
-and the OpenAI error body (ConnectionPolicy.refusing): the group will not finish new work, so the client
-retries elsewhere at once. Requests already in flight finish.
+and the OpenAI error body (ConnectionPolicy.refusing), counted in /metrics too: the group will not finish new
+work, so the client retries elsewhere at once. Requests already in flight finish.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
 from apiserver.errors import ApiError, InvalidRequest, RequestTimeout, ShuttingDown, error_body
+from apiserver.lingering_close import LINGER_IDLE_SECONDS, LINGER_SECONDS, DiscardingParser, LingeringClose
 from apiserver.write_batch import BatchedTransport, WriteBatch
 
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
@@ -98,6 +102,8 @@ class HttpConnection(HttpToolsProtocol):
         self._reading_since: float | None = None  # loop time of the first byte of the request being read
         self._last_read = 0.0  # loop time of the last piece of the request's body (or its first byte)
         self._headers_done = False
+        self._lingering_close = LingeringClose(self)  # the cycle's transport while a request's body is read
+        self._linger_until: float | None = None  # loop time by which a lingering close ends
 
     # Connection.
     def connection_made(self, transport) -> None:
@@ -132,10 +138,14 @@ class HttpConnection(HttpToolsProtocol):
         self._headers_done = True
         if self._policy.refusing:
             self.app = shutting_down_app  # this connection closes after the answer
+            if self._policy.count_status is not None:  # (the app's status counter never sees this answer)
+                self._policy.count_status(503)
         super().on_headers_complete()
         cycle = self.cycle
-        if self._policy.direct_body and cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
-            cast(dict, self.scope)[DIRECT_BODY] = DirectBody(cycle, self.flow)  # a key of ours: not in ASGI's type
+        if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
+            if self._policy.direct_body:
+                cast(dict, self.scope)[DIRECT_BODY] = DirectBody(cycle, self.flow)  # a key of ours: not in ASGI's type
+            cycle.transport = self._lingering_close  # until the body is in (on_message_complete)
 
     def on_body(self, body: bytes) -> None:
         self._last_read = self.loop.time()
@@ -143,7 +153,32 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._reading_since = None
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self._lingering_close:
+            cycle.transport = self.transport
         super().on_message_complete()
+
+    # The lingering close (apiserver/lingering_close.py).
+    def linger(self) -> None:
+        """Close, with the request's body still coming: the answer and a FIN now, the socket later."""
+        if self._linger_until is not None:
+            return
+        now = self.loop.time()
+        self._linger_until = now + LINGER_SECONDS
+        self._last_read = now
+        self.parser = DiscardingParser(self._read_while_lingering)
+        cycle = self.cycle
+        if cycle is not None:  # this connection serves no further request: no keep-alive timer, nothing pipelined
+            cycle.on_response = _nothing
+            cycle.body = bytearray()
+        self.flow.resume_reading()
+        self.transport.write_eof()  # after what is written: the client reads the answer, then EOF
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(LINGER_IDLE_SECONDS, self._check_timeouts)
+
+    def _read_while_lingering(self) -> None:
+        self._last_read = self.loop.time()
 
     # The timer.
     def _check_timeouts(self) -> None:
@@ -151,6 +186,13 @@ class HttpConnection(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         now = self.loop.time()
+        if self._linger_until is not None:
+            left = min(self._last_read + LINGER_IDLE_SECONDS, self._linger_until) - now
+            if left <= 0:
+                self.transport.close()
+            else:
+                self._timer = self.loop.call_later(left, self._check_timeouts)
+            return
         timeout = self._policy.timeout_request_header
         if self._reading_since is not None:
             if not self._headers_done:
@@ -196,3 +238,7 @@ class HttpConnection(HttpToolsProtocol):
                 self._policy.count_status(answer.status)
             self.transport.write(answer.raw)
         self.transport.close()
+
+
+def _nothing() -> None:
+    pass

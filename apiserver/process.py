@@ -2,9 +2,9 @@
 
 CONTRACT (the supervisor relies on exactly this):
     run_api_server(launch: ipc.launch.ApiServerLaunch) -> None
-  (config, index, listen_socket, model, engine_addresses, shared_state_name, ready, lifeline: see ApiServerLaunch)
+  (config, index, listen_socket, model, engine_addresses, shared_state, ready, lifeline: see ApiServerLaunch)
 - set the process title `supervise: ApiServer_<index>`, ipc.logs.setup_logging(f"ApiServer_{index}", ...),
-  ipc.lifeline.die_with_parent(lifeline); attach ipc.shared_state.GroupState(shared_state_name), claim(index);
+  ipc.lifeline.die_with_parent(lifeline); ipc.shared_state.GroupState.attach(shared_state), claim(index);
 - load the tokenizer from model.model_dir without importing torch or transformers;
 - connect a DEALER (identity api-<index>) to every engine address (CURVE with launch.curve on TCP) and ping
   each that the supervisor has not marked down (UTILITY "ping");
@@ -38,9 +38,9 @@ def enter_process(launch: ApiServerLaunch):
 
     setproctitle(f"supervise: ApiServer_{launch.index}")
     setup_logging(f"ApiServer_{launch.index}", launch.config.log_level)
-    die_with_parent(launch.lifeline)
+    die_with_parent(launch.lifeline, runtime_dir=launch.config.runtime_dir)
     stop = StopSignals()
-    group = GroupState.attach(launch.shared_state_name)
+    group = GroupState.attach(launch.shared_state)
     group.claim(launch.index, os.getpid())
     return stop, group
 

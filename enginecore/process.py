@@ -51,7 +51,7 @@ def run_engine_core(launch: EngineLaunch) -> None:
     # Before the model loads, so a stop asked for during a long load is prompt too.
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    die_with_parent(lifeline)
+    die_with_parent(lifeline, runtime_dir=config.runtime_dir)
     try:
         _serve(launch)
     except ShutdownRequested as stop:

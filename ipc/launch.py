@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from ipc.anonymous_memory import MemoryHandle
 from ipc.config import ServeConfig
 from ipc.curve import CurveKeys
 from ipc.model_info import ModelInfo
@@ -40,7 +41,7 @@ class ApiServerLaunch:
     listen_socket: socket.socket  # already listening, shared by the whole group
     model: ModelInfo
     engine_addresses: tuple[str, ...]  # one per engine this group reaches, in rank order
-    shared_state_name: str  # ipc.shared_state.GroupState to attach
+    shared_state: MemoryHandle  # the ipc.shared_state.GroupState to attach (a descriptor: the block has no name)
     ready: Connection  # the child's write end: True once it serves
     lifeline: Connection  # the child's read end: EOF when the supervisor is gone
     engine_ranks: tuple[int, ...] = ()  # the data-parallel rank of each address (() : 0, 1, ...)

@@ -7,14 +7,20 @@ first and then sums every slot (apiserver/admission.py), so a server that dies a
 held but its own counts, which the supervisor releases with its slot. The admission counters are read and
 written with sequentially consistent atomics (atomicshm): plain stores could be reordered after the loads
 that follow them, and two servers could then each miss the other's count.
+
+The block has no name (ipc/anonymous_memory.py): the children get it as a file descriptor, so however the group
+ends, even with every process SIGKILLed, nothing is left behind in /dev/shm.
 """
 from __future__ import annotations
 
+import mmap
+import os
 import struct
 import time
-from multiprocessing import shared_memory
 
 import atomicshm
+
+from ipc.anonymous_memory import MemoryHandle, anonymous_memory
 
 MAX_SLOTS = 128
 MAX_RANKS = 64  # --data-parallel-size's bound
@@ -40,30 +46,39 @@ _OPEN, _IN_FLIGHT, _HEARTBEAT, _PID, _ADMITTED_REQUESTS, _ADMITTED_TOKENS = rang
 
 
 class GroupState:
-    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
-        self._shm = shm
-        self._owner = owner
-        self.name = shm.name
-        buf = shm.buf
-        assert buf is not None  # None only once closed
+    def __init__(self, handle: MemoryHandle, owner: bool):
+        """`owner` (the supervisor) keeps the descriptor, to hand it to every child it spawns; a child needs only
+        the mapping."""
+        self._map = mmap.mmap(handle.fd, SIZE)
+        self._handle: MemoryHandle | None = handle
+        if not owner:
+            os.close(handle.fd)
+            self._handle = None
+        buf = memoryview(self._map)
         # Typed views over the same bytes: one int64 view and one float64 view.
         self._ints = buf.cast("q")
         self._floats = buf.cast("d")
+        buf.release()
         # Atomic cells for the admission counters, bound once per slot (the bounds checks happen here).
-        self._atomics = atomicshm.AtomicView(shm.buf)
+        self._atomics = atomicshm.AtomicView(self._map)
         self._admitted_requests = [self._cell(slot, _ADMITTED_REQUESTS) for slot in range(MAX_SLOTS)]
         self._admitted_tokens = [self._cell(slot, _ADMITTED_TOKENS) for slot in range(MAX_SLOTS)]
 
     @classmethod
     def create(cls) -> "GroupState":
-        shm = shared_memory.SharedMemory(create=True, size=SIZE)
-        assert shm.buf is not None  # None only once closed
-        shm.buf[:SIZE] = bytes(SIZE)
-        return cls(shm, owner=True)
+        """A new block, all zeros."""
+        return cls(anonymous_memory("supervise-group-state", SIZE), owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "GroupState":
-        return cls(shared_memory.SharedMemory(name=name), owner=False)
+    def attach(cls, handle: MemoryHandle) -> "GroupState":
+        """The block `handle` names: `handle`, received from the owner, is used up."""
+        return cls(handle, owner=False)
+
+    @property
+    def handle(self) -> MemoryHandle:
+        """What a child is given (in its launch record) to attach this block; only the owner has one."""
+        assert self._handle is not None, "only the group's owner hands the block on"
+        return self._handle
 
     def _cell(self, slot: int, field: int) -> atomicshm.AtomicU64:
         return self._atomics.cell_u64(self._at(slot, field) * 8)
@@ -73,12 +88,10 @@ class GroupState:
         self._atomics.close()
         self._ints.release()
         self._floats.release()
-        self._shm.close()
-        if self._owner:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+        self._map.close()
+        if self._handle is not None:
+            os.close(self._handle.fd)
+            self._handle = None
 
     # Per-slot fields. Slot i starts at 8-byte index i*_FIELDS.
     def _at(self, slot: int, field: int) -> int:

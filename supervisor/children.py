@@ -11,6 +11,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
+from ipc.anonymous_memory import MemoryHandle
 from ipc.config import ServeConfig
 from ipc.curve import CurveKeys
 from ipc.launch import ApiServerLaunch, EngineLaunch
@@ -106,7 +107,7 @@ def spawn_api_server(
     listen_socket: socket.socket,
     model: ModelInfo,
     engines: dict[int, str],
-    shared_state_name: str,
+    shared_state: MemoryHandle,
     curve: CurveKeys | None,
 ) -> Child:
     """`engines`: rank -> address of every engine the server reaches."""
@@ -114,7 +115,7 @@ def spawn_api_server(
     return _spawn(
         mp_context, f"ApiServer_{index}", "api", index, GRPC_API_SERVER_ENTRY if config.grpc else API_SERVER_ENTRY,
         lambda ready, lifeline: ApiServerLaunch(
-            config, index, listen_socket, model, tuple(engines[r] for r in ranks), shared_state_name, ready,
+            config, index, listen_socket, model, tuple(engines[r] for r in ranks), shared_state, ready,
             lifeline, ranks, curve,
         ),
     )

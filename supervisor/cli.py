@@ -48,6 +48,14 @@ def _chat_template(click_context, param, value):
     return text
 
 
+def _host(click_context, param, value):
+    """An empty --host would listen on every interface, as a bind to "" does: say so instead (it is more often
+    an unset variable, `--host "$HOST"`, than a wish)."""
+    if not value.strip():
+        raise click.BadParameter("is empty; to listen on every interface say so: 0.0.0.0 (or :: for IPv6)")
+    return value
+
+
 def _positive(click_context, param, value):
     if value is not None and value <= 0:
         raise click.BadParameter("must be greater than 0")
@@ -55,7 +63,8 @@ def _positive(click_context, param, value):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--host", default=_DEFAULTS.host, show_default=True, help="Address to listen on.")
+@click.option("--host", default=_DEFAULTS.host, show_default=True, callback=_host,
+              help="Address to listen on (an IP address of this machine or a host name; 0.0.0.0: every interface).")
 @click.option("--port", default=_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port to listen on (0: any free port, printed in the log).")
 @click.option("--model", default=None,

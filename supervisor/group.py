@@ -115,7 +115,7 @@ class ProcessGroup:
         assert self.listen_socket is not None and self.model is not None  # a head's, once its engines are ready
         child = spawn_api_server(
             self.mp_context, self.config, index, self.listen_socket, self.model, self.engine_addresses,
-            self.state.name, self.curve,
+            self.state.handle, self.curve,
         )
         child.replaces = replaces
         self.api_servers[index] = child

@@ -17,6 +17,11 @@ class PortInUse(Exception):
     pass
 
 
+class BadAddress(Exception):
+    """--host is no address this machine can listen on: not an address or a name that resolves, or not one of
+    its own (a bad option, one line and exit 2, where a busy port is a state of the machine)."""
+
+
 class BadSocketActivation(Exception):
     """LISTEN_PID names this process, but LISTEN_FDS is no count or its first descriptor no socket."""
 
@@ -33,13 +38,24 @@ def open_listen_socket(host: str, port: int, backlog: int = 4096) -> socket.sock
 
 def bind_shared_port(host: str, port: int) -> socket.socket:
     """A socket bound to host:port that the group's servers may share (SO_REUSEPORT), not listening yet.
-    Raises PortInUse when another process holds the port."""
+    Raises PortInUse when another process holds the port, BadAddress when `host` is none of this machine's."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    _refuse_if_taken(family, host, port)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        _refuse_if_taken(family, host, port)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+    except socket.gaierror as exc:
+        raise BadAddress(f"--host {host}: not an IP address, nor a host name that resolves ({exc.strerror})") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise BadAddress(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+        raise
     sock.set_inheritable(True)
     return sock
 

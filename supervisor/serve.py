@@ -17,7 +17,7 @@ from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
 from supervisor.layout import layout_of
 from supervisor.registration import Registry
-from supervisor.listen_socket import BadSocketActivation, PortInUse, bound_address, open_listen_socket
+from supervisor.listen_socket import BadAddress, BadSocketActivation, PortInUse, bound_address, open_listen_socket
 from supervisor.signals import SignalInbox
 from supervisor.startup import StartupFailed, StopRequested
 from supervisor.systemd import SystemdNotifier
@@ -46,7 +46,7 @@ def serve(config: ServeConfig) -> int:
     except PortInUse as exc:
         print(f"supervise: error: {exc}", file=sys.stderr)
         return 1
-    except BadSocketActivation as exc:  # the environment's mistake, as a bad option is
+    except (BadAddress, BadSocketActivation) as exc:  # the command line's or the environment's mistake
         print(f"supervise: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -13,10 +13,10 @@ LIMIT = 1
 WORKERS = 3
 
 
-def _hammer(state_name: str, slot: int, seconds: float, results) -> None:
+def _hammer(state_handle, slot: int, seconds: float, results) -> None:
     """Admit and release as fast as possible; while admitted, count this request in a shared `held` counter
     (offset 0 of `results`) and note every moment more than LIMIT were held at once."""
-    state = GroupState.attach(state_name)
+    state = GroupState.attach(state_handle)
     admission = AdmissionControl(state, slot, max_requests=LIMIT, max_tokens=None)
     view = atomicshm.AtomicView(results.buf)
     held, violations, admitted = view.cell_u64(0), view.cell_u64(8), view.cell_u64(16)
@@ -44,7 +44,7 @@ def test_racing_servers_never_hold_more_than_the_limit():
     results.buf[:64] = bytes(64)
     try:
         context = mp.get_context("spawn")
-        workers = [context.Process(target=_hammer, args=(state.name, slot, 1.5, results)) for slot in range(WORKERS)]
+        workers = [context.Process(target=_hammer, args=(state.handle, slot, 1.5, results)) for slot in range(WORKERS)]
         for w in workers:
             w.start()
         for w in workers:

@@ -255,6 +255,31 @@ def test_a_refused_body_ends_the_connection(group):
     assert headers["connection"] == "close" and body["error"]["code"] == "request_too_large"
 
 
+def test_a_client_still_sending_its_refused_body_reads_the_413(group):
+    """The 413 goes out at the headers while the client writes on (1 MiB of a declared 9 MiB, in pieces, then it
+    reads, as a client that watches for an early answer does). Closed at once, with those bytes unread or still
+    arriving, the connection would be reset and the client's read fail; lingering, it reads its 413 every time."""
+    address = urlsplit(group.url)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (9 * 2**20))
+    piece = b"x" * 2**16
+    answers = []
+    for _ in range(20):
+        with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+            try:
+                sock.sendall(head)
+                for _ in range(16):
+                    sock.sendall(piece)
+                    time.sleep(0.001)
+                received = b""
+                while chunk := sock.recv(65536):
+                    received += chunk
+                answers.append(received.split(b"\r\n", 1)[0])
+            except OSError as exc:  # reset: the answer was lost
+                answers.append(repr(exc).encode())
+    assert answers == [b"HTTP/1.1 413 Request Entity Too Large"] * 20
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_parsed(http):
     huge = b'{"model": "sim:2", "prompt": "' + b"word " * (2 * 2**20) + b'"}'  # 10 MiB
     assert_413(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))

@@ -1,6 +1,7 @@
 """Connections as hostile or unlucky clients hold them: out of file descriptors, idle, slow, or arriving
 while the group drains. Raw sockets, so that every byte and every close is the test's own."""
 import json
+import os
 import re
 import signal
 import socket
@@ -11,6 +12,7 @@ import httpx
 import psutil
 import pytest
 
+from apiserver.metrics import Metrics
 from tests.supervise_process import Supervise
 from tests.test_api_request_path import metric
 
@@ -165,6 +167,19 @@ def listening_sockets(process: psutil.Process) -> list:
     return [c for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
 
 
+def http_requests_counted(api: psutil.Process) -> dict[str, float]:
+    """supervise_http_requests_total by status class, as a scrape of `api`'s group would give it now."""
+    (path,) = {m.path for m in api.memory_maps() if os.path.basename(m.path).startswith("metrics-")}
+    index = int(os.path.basename(path)[len("metrics-"):-len(".bin")])
+    metrics = Metrics(os.path.dirname(path), index)  # the server's own file, only read here
+    try:
+        text = metrics.exposition(None, "any")
+    finally:
+        metrics.close()
+    counts = re.findall(r'^supervise_http_requests_total\{[^}]*status="(\w+)"\} (\S+)$', text, re.M)
+    return {status: float(value) for status, value in counts}
+
+
 def test_sigterm_closes_the_listening_socket_and_answers_new_requests_503_while_streams_finish(start_supervise):
     server = start_supervise(*SIM)
     api = server.child_titled("ApiServer_0")
@@ -196,6 +211,9 @@ def test_sigterm_closes_the_listening_socket_and_answers_new_requests_503_while_
     assert head.startswith(b"HTTP/1.1 503"), answer
     assert b"connection: close" in head.lower()
     assert "shutting down" in json.loads(error)["error"]["message"]
+    # Counted like every answer: what /metrics would say, read from the group's metrics files (a stopping group
+    # answers no scrape), while the stream keeps the group up.
+    assert http_requests_counted(api)["5xx"] == 1
     streamer.join(30)
     assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
     assert server.wait_exit(30) == 0

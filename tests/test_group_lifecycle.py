@@ -1,5 +1,6 @@
 """The group as an operator runs it: process titles, clean stops, and what happens when parts die."""
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -161,13 +162,45 @@ def test_killed_engine_means_503_then_exit_non_zero(start_supervise):
     assert wait_gone(children, 5) == []
 
 
-def test_killed_supervisor_takes_every_child_with_it(start_supervise):
+def runtime_dir_of(api_server: psutil.Process) -> str:
+    """The group's runtime directory, where the API server's metrics file lies."""
+    (path,) = {m.path for m in api_server.memory_maps() if os.path.basename(m.path).startswith("metrics-")}
+    return os.path.dirname(path)
+
+
+def test_killed_supervisor_takes_every_child_with_it_and_its_runtime_directory(start_supervise):
     server = start_supervise(*SIM, "--api-server-count", "2")
     children = server.children()
     assert len(children) >= 3
+    runtime_dir = runtime_dir_of(server.child_titled("ApiServer_0"))
     os.kill(server.pid, signal.SIGKILL)
     server.wait_exit(10)
     assert wait_gone(children, 5) == []
+    assert not os.path.exists(runtime_dir)
+
+
+def shared_memory_files(process: psutil.Process) -> set[str]:
+    """The files of /dev/shm (named POSIX shared memory) that `process` maps."""
+    return {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+
+
+def test_a_group_killed_all_at_once_leaves_no_shared_memory_behind(start_supervise):
+    """Every process of the group SIGKILLed together, as systemd's final SIGKILL of a unit or a cgroup's OOM kill
+    does: no process is left to clean up (a named segment would stay in /dev/shm for good), and another group on
+    the machine serves on untouched."""
+    server = start_supervise(*SIM)
+    neighbour = start_supervise(*SIM)
+    group = [psutil.Process(server.pid), *server.children()]
+    api_server = server.child_titled("ApiServer_0")
+    mapped = shared_memory_files(api_server)
+    runtime_dir = runtime_dir_of(api_server)
+    for process in group:
+        process.kill()
+    assert wait_gone(group, 5) == []
+    assert [path for path in mapped if os.path.exists(path)] == []
+    shutil.rmtree(runtime_dir)  # what no process of the group is left to remove (under systemd: PrivateTmp)
+    # The neighbour's group state is whole: its live API server is still in it (the gauge reads its slot).
+    assert "supervise_api_servers 1" in httpx.get(f"{neighbour.url}/metrics").text.splitlines()
 
 
 def test_second_supervise_on_the_same_port_refuses(start_supervise):

@@ -278,11 +278,29 @@ def test_unimplemented_methods_say_so(stub):
 
 
 def test_standard_health_service_and_reflection(group):
+    assert_health_and_reflection_serve(group)
+
+
+def assert_health_and_reflection_serve(group) -> None:
     assert health_status(group.target) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(group.target, SERVICE) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(group.target, "no.such.Service") is None  # NOT_FOUND
     services = ProtoReflectionDescriptorDatabase(group.channel()).get_services()
     assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
+
+
+@pytest.mark.parametrize("method, shape", [
+    ("/grpc.health.v1.Health/Check", "unary_unary"),
+    ("/grpc.health.v1.Health/Watch", "unary_stream"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"),
+])
+def test_grpcio_s_health_and_reflection_services_refuse_a_malformed_message_as_invalid_argument(group, method, shape):
+    """As the VllmEngine service does (grpcio's own answer was UNKNOWN), and they serve on."""
+    raw = b"\xff\xff\xff"
+    call = getattr(group.channel(), shape)(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    error = error_of(lambda: call(iter([raw]) if shape == "stream_stream" else raw, timeout=5))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request message" in error.details(), error
+    assert_health_and_reflection_serve(group)
 
 
 def test_metrics_port_counts_calls_of_the_whole_group(group, stub):

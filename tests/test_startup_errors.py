@@ -30,6 +30,22 @@ def test_port_taken_by_another_process_is_refused_at_once(stranger_reuses_port):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--host", "999.1.1.1"], "not an IP address, nor a host name that resolves"),
+    (["--host", "not-a-host.invalid"], "not an IP address, nor a host name that resolves"),
+    (["--host", "192.0.2.1"], "not an address of this machine"),  # TEST-NET-1: never an interface's
+    (["--host", ""], "--host"),
+    (["--port", "70000"], "--port"),
+    (["--port", "-1"], "--port"),
+])
+def test_an_address_to_listen_on_that_cannot_be_is_one_line_and_exit_code_2(args, words):
+    result = run_supervise("--model", "sim:5", *args, timeout=30)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("supervise: error:", "Error:"))]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("fds, fd3, words", [("abc", None, "not a count"), ("1", "file", "is not a socket")])
 def test_a_broken_socket_activation_is_one_line_and_exit_code_2(tmp_path, fds, fd3, words):
     """LISTEN_PID names this process (systemd socket activation) but LISTEN_FDS is no count, or descriptor 3 is a

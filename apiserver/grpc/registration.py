@@ -1,16 +1,21 @@
 """The services on the gRPC server: VllmEngine (every method of the published proto, read from its descriptor),
 the standard health service and server reflection, so grpcurl-style tools and Kubernetes gRPC probes work.
 
-The request deserializers never raise: grpcio would answer a message that does not parse with INTERNAL, while
-it is the client's mistake (INVALID_ARGUMENT); the handler gets a `Malformed` and says so.
+The request deserializers never raise: grpcio would answer a message that does not parse with UNKNOWN, while
+it is the client's mistake (INVALID_ARGUMENT); the handler gets a `Malformed` and says so. grpcio's own health
+and reflection services parse with raising deserializers too: their handlers are registered here instead of by
+grpcio's generated `add_*Servicer_to_server`, each with a tolerant deserializer and a wrapper that ends the call
+INVALID_ARGUMENT on a `Malformed` before grpcio's servicer sees it.
 """
 from __future__ import annotations
+
+import inspect
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from apiserver.grpc.servicer import Malformed, VllmEngineService
@@ -47,11 +52,82 @@ def _method_handlers(service: VllmEngineService) -> dict:
 
 def add_services(server: grpc.aio.Server, service: VllmEngineService) -> health.aio.HealthServicer:
     """Registers everything on `server`; returns the health servicer, whose status the caller keeps current."""
-    handlers = _method_handlers(service)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # looked up without a generic handler's walk
+    _register(server, SERVICE_NAME, _method_handlers(service))
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _register_refusing_malformed(server, health_pb2_grpc.add_HealthServicer_to_server, health_servicer)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    reflection_servicer = reflection.aio.ReflectionServicer((SERVICE_NAME, health_name, reflection.SERVICE_NAME))
+    _register_refusing_malformed(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+                                 reflection_servicer)
     return health_servicer
+
+
+def _register(server: grpc.aio.Server, name: str, handlers: dict) -> None:
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)  # looked up without a generic handler's walk
+
+
+# grpcio's services, registered with tolerant deserializers.
+class _Collected:
+    """Stands in for the server while a generated `add_*Servicer_to_server` registers: keeps its handlers."""
+
+    def __init__(self):
+        self.services: dict[str, dict] = {}
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass  # the same handlers come by name below
+
+    def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+        self.services[name] = handlers
+
+
+def _register_refusing_malformed(server: grpc.aio.Server, add_to_server, servicer) -> None:
+    collected = _Collected()
+    add_to_server(servicer, collected)
+    for name, handlers in collected.services.items():
+        _register(server, name, {method: _refusing_malformed(handler) for method, handler in handlers.items()})
+
+
+def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with a tolerant deserializer, its behaviour behind a check of each message it reads."""
+    kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+    behavior = getattr(handler, kind)
+    if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+        return handler  # a synchronous default (UNIMPLEMENTED) reads nothing
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
+                            **{kind: _checked_behavior(behavior, handler.request_streaming)})
+
+
+def _checked_behavior(behavior, request_streaming: bool):
+    """The same kind of callable as `behavior` (grpcio tells a coroutine from an async generator), which hands it
+    only messages that parsed."""
+    if inspect.isasyncgenfunction(behavior):
+        async def streaming(request, context):
+            async for response in behavior(await _checked(request, context, request_streaming), context):
+                yield response
+
+        return streaming
+
+    async def unary(request, context):
+        return await behavior(await _checked(request, context, request_streaming), context)
+
+    return unary
+
+
+async def _checked(request, context, request_streaming: bool):
+    """The request, or for a request stream the stream with each message checked as it is read."""
+    if request_streaming:
+        return _checked_stream(request, context)
+    await _refuse_if_malformed(request, context)
+    return request
+
+
+async def _checked_stream(requests, context):
+    async for request in requests:
+        await _refuse_if_malformed(request, context)
+        yield request
+
+
+async def _refuse_if_malformed(request, context) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
