@@ -2,6 +2,7 @@
 running a Generation (apiserver/generation_run.py) to a streamed or a whole response."""
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Callable
 
@@ -17,6 +18,12 @@ from apiserver.generation_run import GenerationRun
 from apiserver.priority_header import BadPriority, header_priority
 from apiserver.protocol import MAX_REQUEST_ID_LENGTH
 from apiserver.streaming import ChunkWriter, EventStreamResponse
+
+# A whole body with this many logprob entries (tokens x (1 + top logprobs)) or more is formatted and encoded in a
+# worker thread: about 3 us an entry, so the most --max-logprob-entries allows (a million) held the event loop 4.5 s,
+# and three such answers at once 8 s, near the heartbeat's timeout. The thread shares the GIL but lets the loop
+# run every few milliseconds.
+OFFLOAD_LOGPROB_ENTRIES = 20_000
 
 RANK_HEADER = "x-data-parallel-rank"  # vLLM's: pins a request to one data-parallel rank
 
@@ -99,5 +106,17 @@ class GenerationServing:
                     await generation.next_changes()
         except RequestAborted:
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is listening; uvicorn drops it
-        body = whole_body(generation, generation.take(generation.choices))
-        return Response(orjson.dumps(body), media_type="application/json")
+        deltas = generation.take(generation.choices)
+        if _logprob_entries(generation, deltas) >= OFFLOAD_LOGPROB_ENTRIES:
+            encoded = await asyncio.to_thread(lambda: orjson.dumps(whole_body(generation, deltas)))
+        else:
+            encoded = orjson.dumps(whole_body(generation, deltas))
+        return Response(encoded, media_type="application/json")
+
+
+def _logprob_entries(generation: Generation, deltas: list[Delta]) -> int:
+    """About how many logprob entries the whole body holds: its tokens with logprobs, each with its top ones."""
+    sampling = generation.sampling
+    top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
+    tokens = sum(len(d.logprobs or ()) + len(d.prompt_logprobs or ()) for d in deltas)
+    return tokens * (1 + top)

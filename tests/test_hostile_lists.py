@@ -64,3 +64,29 @@ def test_stop_strings_past_the_limit_are_a_400_and_the_limit_costs_no_one(server
     response, took = _timed_beside(server, _body(n=16, max_tokens=120, ignore_eos=True, stop=stops))
     assert response.status_code == 200, response.text
     assert took < 2.0, f"a 40-token request took {took:.1f} s beside it"
+
+
+def test_a_whole_answer_of_many_logprobs_does_not_hold_the_event_loop(server):
+    """840,000 logprob entries (under --max-logprob-entries' million), formatted and encoded: 4 s of the event loop
+    before, when every other client of the server waited; in a worker thread now."""
+    body = _body(n=100, max_tokens=400, ignore_eos=True, logprobs=True, top_logprobs=20)
+    answer: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            answer.append(http.post(CHAT, json=body))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        while sender.is_alive():
+            started = time.monotonic()
+            assert http.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.05)
+    sender.join()
+    assert answer[0].status_code == 200
+    choices = answer[0].json()["choices"]
+    assert len(choices) == 100 and all(len(c["logprobs"]["content"]) == 400 for c in choices)
+    assert slowest < 2.0, f"/health waited {slowest:.1f} s"
