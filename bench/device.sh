@@ -19,7 +19,8 @@
 # step does not stop the next; a summary table ends the output.
 #
 #   bash bench/device.sh            # on the GPU machine, from the repository root, with .whl and .device carried
-#   bash bench/device.sh --cpu      # a tiny run of the same steps on the CPU, to test the script anywhere
+#   PYTHON=.venv/bin/python bash bench/device.sh --cpu   # a tiny run of the same steps on the CPU, to test the
+#                                   # script anywhere (.whl's wheels are for the GPU machine's Python: use a venv)
 set -u
 cd "$(dirname "$0")/.."
 
