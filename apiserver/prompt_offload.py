@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
+
 from apiserver.renderer import Renderer
 
 OFFLOAD_MIN_CHARS = 16384
@@ -46,8 +48,22 @@ async def render_chat(renderer: Renderer, messages: list[dict], add_generation_p
     """The prompt's token ids for `messages`, as `renderer.render_chat` gives them (`add_special_tokens`:
     as /tokenize may ask, `renderer.encode` of the rendered text)."""
     options = (add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
-    if sum(len(m["content"]) for m in messages) < OFFLOAD_MIN_CHARS:
+    if _template_input_size(messages, tools, chat_template_kwargs) < OFFLOAD_MIN_CHARS:
         if add_special_tokens:
             return renderer.encode(renderer.chat_text(messages, *options), True)
         return renderer.render_chat(messages, *options)
     return await _in_thread(_chat_ids, renderer, messages, options, add_special_tokens)
+
+
+def _template_input_size(messages: list[dict], tools: list[dict] | None, kwargs: dict | None) -> int:
+    """About how much text the chat template gets: the messages' contents, and what else it renders, tools and
+    tool calls (a request of short messages and 7.7 MB of tools held the loop 1.1 s inline). Their JSON is
+    measured only where they are given: a plain chat pays a sum of lengths."""
+    size = sum(len(m["content"]) for m in messages)
+    extras = [m for m in messages if len(m) > 2] if size < OFFLOAD_MIN_CHARS else []  # role and content alone: none
+    if tools or kwargs or extras:
+        try:
+            size += len(orjson.dumps([tools, kwargs, extras]))
+        except (TypeError, orjson.JSONEncodeError):  # past orjson's ints or depth: count it as large
+            size += OFFLOAD_MIN_CHARS
+    return size
