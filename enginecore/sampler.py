@@ -213,11 +213,21 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+# Prompt rows whose raw distribution is made at once. A step's prompt rows (up to --max-num-batched-tokens) at once
+# took [rows, vocab] in float32 twice (the copy and its log-softmax): 2 GB for 2,048 rows of Llama 3's vocabulary, far
+# more than the sampler's share of the memory the KV cache leaves (enginecore/cuda_setup.py), for one request's echo.
+PROMPT_LOGPROB_ROWS = 256
+
+
 @torch.inference_mode()
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list:
     """Per row: [logprob of tokens[row], [[token_id, logprob], ...top tops[row]]], of the raw distribution."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    return SampledTokens(to_device(tokens, raw.device), raw, list(tops)).result().logprobs
+    entries: list = []
+    for at in range(0, len(tokens), PROMPT_LOGPROB_ROWS):
+        rows = slice(at, at + PROMPT_LOGPROB_ROWS)
+        raw = torch.log_softmax(logits[rows].float(), dim=-1)
+        entries += SampledTokens(to_device(tokens[rows], raw.device), raw, list(tops[rows])).result().logprobs
+    return entries
 
 
 def _logprob_entries(sampled: list[float], top_vals: list | None, top_ids: list | None, want: list[int | None]) -> list:

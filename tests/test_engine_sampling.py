@@ -241,3 +241,19 @@ def test_sampler_distribution(params, expected):
     tokens = Sampler(8, torch.device("cpu"), (7,)).sample(logits, [seq] * rows).token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=8)[:3].float() / rows
     assert torch.allclose(freq, torch.tensor(expected), atol=0.015), freq
+
+
+def test_prompt_logprobs_made_in_row_chunks_equal_them_made_at_once():
+    """A step's prompt rows go through the log-softmax PROMPT_LOGPROB_ROWS at a time (the memory of a whole step's
+    [rows, vocab] float32 copies at once could take down a GPU engine): the same entries as at once."""
+    import torch
+
+    from enginecore.sampler import PROMPT_LOGPROB_ROWS, SampledTokens, prompt_logprobs
+
+    rows = 2 * PROMPT_LOGPROB_ROWS + 37
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, 1000, generator=g, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 1000, (rows,), generator=g).tolist()
+    tops = [i % 6 for i in range(rows)]
+    whole = SampledTokens(torch.tensor(tokens), torch.log_softmax(logits.float(), dim=-1), tops).result().logprobs
+    assert prompt_logprobs(logits, tokens, tops) == whole
