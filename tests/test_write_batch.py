@@ -239,6 +239,29 @@ def test_pipelined_requests_on_one_connection_are_answered_whole_and_in_order(gr
     assert answers[3].startswith(b"200") and b'"object":"list"' in answers[3]
 
 
+def test_a_client_that_pipelines_without_reading_keeps_the_server_small(group):
+    """uvicorn resumed reading after each answer with pipelined requests still queued: such a client had its
+    requests parsed and queued without end (1.3 GB in 20 s). Now the queue holds what one read brought."""
+    import time
+
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
+    server = group.child_titled("ApiServer_0")
+    before = server.memory_info().rss
+    requests = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 1000
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(0.2)
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            try:
+                sock.send(requests)
+            except socket.timeout:  # the server stopped reading: what is sent waits in the kernel's buffers
+                pass
+        grown = server.memory_info().rss - before
+    assert grown < 64 * 2**20, f"the API server grew {grown / 2**20:.0f} MB"
+    assert httpx.get(f"{group.url}/health", timeout=10).status_code == 200
+
+
 def test_a_client_that_leaves_mid_stream_while_others_read_harms_nobody(group):
     host, port = group.url.removeprefix("http://").rsplit(":", 1)
     request = _raw_request({**_body(True), "max_tokens": 2000})
