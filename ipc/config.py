@@ -65,6 +65,8 @@ class ServeConfig:
     # The most strings a structured output's `choice` may list (a 400 past it): the API server checks the list's
     # grammar in its event loop and the engine compiles it, each some milliseconds per thousand strings.
     max_structured_output_choices: int = 10_000
+    # Compiled structured-output grammars each engine keeps (enginecore.grammar_compiler says what they weigh).
+    grammar_cache_size: int = 64
     # A streamed response's outputs that wait in the API server for a client that reads slower than the engine
     # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
     # aborted. 0: no limit.

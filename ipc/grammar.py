@@ -13,8 +13,10 @@ pass over the vocabulary per grammar) and computes a mask in microseconds on the
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ipc.messages import error_summary
@@ -176,12 +178,24 @@ def check(grammar: str) -> None:
     """GrammarError naming the problem, unless `grammar` compiles and can take its first step. Needs no
     tokenizer: cheap (a millisecond or so for a schema of a few properties); the verdict on each of the last
     few hundred grammars is kept (a client that repeats a costly one pays once)."""
-    error = _check(grammar)
+    digest = hashlib.sha256(grammar.encode()).digest()
+    if digest in _VERDICTS:
+        _VERDICTS.move_to_end(digest)
+        error = _VERDICTS[digest]
+    else:
+        error = _VERDICTS[digest] = _check(grammar)
+        if len(_VERDICTS) > VERDICTS_KEPT:
+            _VERDICTS.popitem(last=False)
     if error:
         raise GrammarError(error)
 
 
-@functools.lru_cache(maxsize=256)
+# The last VERDICTS_KEPT grammars' verdicts (None: fine), by the SHA-256 of the grammar's text: a grammar may be
+# megabytes (a request body's worth), so the text itself is not kept (an lru_cache would keep its argument).
+VERDICTS_KEPT = 256
+_VERDICTS: OrderedDict[bytes, str | None] = OrderedDict()
+
+
 def _check(grammar: str) -> str | None:
     matcher = _matcher()
     try:

@@ -212,6 +212,9 @@ def _positive(click_context, param, value):
               type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
 @click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
               type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
+@click.option("--grammar-cache-size", default=_DEFAULTS.grammar_cache_size, show_default=True, type=click.IntRange(1),
+              help="Compiled structured-output grammars each engine keeps for requests that repeat them (most weigh "
+                   "tens of KB, the largest some 9 MB).")
 @click.option("--max-stream-backlog-mb", default=_DEFAULTS.max_stream_backlog_mb, show_default=True,
               type=click.IntRange(0),
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "

@@ -1,0 +1,57 @@
+"""What a client sends cannot grow the group's memory or its log without bound: caches keyed by a request's content
+keep digests and stay within their bounds, and a flood of bad requests leaves a bounded number of log lines.
+Each test measures what an operator would watch: a process's RSS, the log's lines."""
+import itertools
+
+import httpx
+import pytest
+
+from tests.supervise_process import Supervise
+
+MB = 2**20
+_unique = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def sim_group():
+    with Supervise("--model", "sim:1") as server:
+        yield server
+
+
+def _comment_grammar(size: int) -> str:
+    """A valid Lark grammar of `size` bytes or so, unique each call, that the API servers' check passes in tens of
+    milliseconds: one short sentence, and a long comment."""
+    return f'start: "a"\n// {next(_unique)} ' + "x" * size + "\n"
+
+
+def _constrained_chat(url: str, model: str, grammar: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say a."}], "max_tokens": 4,
+            "structured_outputs": {"grammar": grammar}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _rss_growth(process, send, warm_up: int, measured: int) -> int:
+    """How many bytes `process` grew over `measured` calls of send(), after `warm_up` of them."""
+    for _ in range(warm_up):
+        send()
+    before = process.memory_info().rss
+    for _ in range(measured):
+        send()
+    return process.memory_info().rss - before
+
+
+def test_unique_large_grammars_do_not_grow_the_api_server(sim_group):
+    # The check's verdicts used to be kept by the grammar's text: 256 of them, megabytes each.
+    api = sim_group.child_titled("ApiServer_0")
+    grown = _rss_growth(api, lambda: _constrained_chat(sim_group.url, "sim:1", _comment_grammar(2 * MB)),
+                        warm_up=3, measured=30)
+    assert grown < 24 * MB, f"the API server grew {grown / MB:.0f} MB over 30 grammars of 2 MB"
+
+
+def test_unique_large_grammars_do_not_grow_the_engine(served):
+    # The engine kept 512 compiled grammars by their text; a grammar of 1 MB held some 4 MB.
+    engine = served.child_titled("EngineCore_DP0")
+    grown = _rss_growth(engine, lambda: _constrained_chat(served.url, "SmolLM2-135M-Instruct", _comment_grammar(MB)),
+                        warm_up=17, measured=20)
+    assert grown < 40 * MB, f"the engine grew {grown / MB:.0f} MB over 20 grammars of 1 MB"
