@@ -2,6 +2,8 @@
 keep digests and stay within their bounds, and a flood of bad requests leaves a bounded number of log lines.
 Each test measures what an operator would watch: a process's RSS, the log's lines."""
 import itertools
+import socket
+import time
 
 import httpx
 import pytest
@@ -55,3 +57,22 @@ def test_unique_large_grammars_do_not_grow_the_engine(served):
     grown = _rss_growth(engine, lambda: _constrained_chat(served.url, "SmolLM2-135M-Instruct", _comment_grammar(MB)),
                         warm_up=17, measured=20)
     assert grown < 40 * MB, f"the engine grew {grown / MB:.0f} MB over 20 grammars of 1 MB"
+
+
+def _send_garbage(address: tuple[str, int]) -> None:
+    """A connection that sends what is not HTTP: uvicorn logs a warning for each, and answers 400."""
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+
+
+def test_a_flood_of_bad_requests_leaves_a_bounded_number_of_log_lines(sim_group):
+    started = time.monotonic()
+    for _ in range(150):
+        _send_garbage(sim_group.address)
+    seconds = time.monotonic() - started
+    time.sleep(1.5)  # one more line may pass now, saying how many were dropped
+    _send_garbage(sim_group.address)
+    lines = [line for line in sim_group.log().splitlines() if "Invalid HTTP request received" in line]
+    assert len(lines) <= 20 + seconds + 3, f"{len(lines)} lines for 151 bad requests in {seconds:.1f} s"
+    assert "more from here not logged" in lines[-1]
