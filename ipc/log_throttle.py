@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 BURST = 20
 RATE = 1.0  # lines a second, once a burst is spent
@@ -27,7 +28,7 @@ class _Bucket:
 
 
 class LineThrottle(logging.Filter):
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self._clock = clock
         self._buckets: dict[tuple[str, int], _Bucket] = {}
