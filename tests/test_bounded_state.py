@@ -2,6 +2,7 @@
 keep digests and stay within their bounds, and a flood of bad requests leaves a bounded number of log lines.
 Each test measures what an operator would watch: a process's RSS, the log's lines."""
 import itertools
+import random
 import socket
 import time
 
@@ -57,6 +58,24 @@ def test_unique_large_grammars_do_not_grow_the_engine(served):
     grown = _rss_growth(engine, lambda: _constrained_chat(served.url, "SmolLM2-135M-Instruct", _comment_grammar(MB)),
                         warm_up=17, measured=20)
     assert grown < 40 * MB, f"the engine grew {grown / MB:.0f} MB over 20 grammars of 1 MB"
+
+
+def test_unique_long_prompts_do_not_grow_the_api_server(sim_group):
+    # The renderer's cache of the text between special tokens kept 512 pieces of up to 8,192 characters, whatever
+    # their ids weighed: an emoji is three token ids here. Two such messages are too long a prompt (a 400), but
+    # only once they are tokenized, inline (under 16K characters) and through that cache.
+    api = sim_group.child_titled("ApiServer_0")
+    rng = random.Random(0)
+    emoji = [chr(c) for c in range(0x1F300, 0x1F5FF)]
+
+    def send() -> None:
+        messages = [{"role": role, "content": f"{next(_unique)} " + "".join(rng.choice(emoji) for _ in range(8000))}
+                    for role in ("user", "assistant")]
+        r = httpx.post(f"{sim_group.url}/v1/chat/completions", json={"model": "sim:1", "messages": messages}, timeout=60)
+        assert r.status_code == 400 and "context_length_exceeded" in r.text, r.text
+
+    grown = _rss_growth(api, send, warm_up=18, measured=32)
+    assert grown < 6 * MB, f"the API server grew {grown / MB:.0f} MB over 64 messages of 8,000 emoji"
 
 
 def _send_garbage(address: tuple[str, int]) -> None:
