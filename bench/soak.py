@@ -1,7 +1,7 @@
 """Soak: does any process of the group grow with the number of requests served? A benchmark, not a test.
 
     .venv/bin/python bench/soak.py                        # sim:1, 3,000 requests, 8 clients
-    .venv/bin/python bench/soak.py --model "" --requests 2000   # the embedded model
+    .venv/bin/python bench/soak.py --model "" --requests 1500 --warm-up 500 --server-args "--kv-cache-memory 268435456"
 
 Starts the real group on a free loopback port and sends it a varied stream of requests, as a hostile or careless
 client would, every one unique where it can be: chat and completions, streamed and not, unique prompts, request ids,
@@ -10,7 +10,10 @@ token; bad requests (malformed JSON, unknown fields and models, invalid regexes,
 HTTP). Every --sample-every requests it reads each process's RSS (every API server, the engine, the supervisor) and
 the size of the group's log. After --warm-up requests (caches filling up to their bounds), the least-squares slope
 of each against the requests served is its growth per 1,000 requests, printed against the target (--target-mb,
-1 MB per 1,000 requests). Last, what the engines and the API servers still hold (no request, when nothing leaked:
+1 MB per 1,000 requests). On the CPU an engine's RSS also grows until its whole KV cache has been written once (its
+pages are committed when first written, and the prefix cache keeps freed blocks, so new prompts take fresh ones
+first): by default a quarter of the memory, gigabytes, which a real model's warm-up would take long to reach, so
+give it a small --kv-cache-memory in --server-args. Last, what the engines and the API servers still hold (no request, when nothing leaked:
 the development route /server_info, so the group runs with SUPERVISE_DEV_MODE=1, and /metrics).
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import socket
 import sys
 import time
@@ -45,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sample-every", type=int, default=250)
     p.add_argument("--clients", type=int, default=8, help="requests in flight at once")
     p.add_argument("--api-servers", type=int, default=1)
+    p.add_argument("--server-args", default="", help="more options for supervise, e.g. \"--kv-cache-memory N\"")
     p.add_argument("--target-mb", type=float, default=1.0, help="most RSS growth per 1,000 requests, after warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the samples and figures here")
@@ -212,6 +217,7 @@ def main() -> None:
     args = parse_args()
     model_args = ["--model", args.model] if args.model else []
     os.environ["SUPERVISE_DEV_MODE"] = "1"  # /server_info: the engines' own count of the requests they hold
+    model_args += shlex.split(args.server_args)
     server = start_supervise([*model_args, "--api-server-count", str(args.api_servers)])
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
