@@ -1,6 +1,6 @@
 """Soak: does any process of the group grow with the number of requests served? A benchmark, not a test.
 
-    .venv/bin/python bench/soak.py                        # sim:1, 3,000 requests, 8 clients
+    .venv/bin/python bench/soak.py                        # sim:1, 5,000 requests, 8 clients
     .venv/bin/python bench/soak.py --model "" --requests 1500 --warm-up 500 --server-args "--kv-cache-memory 268435456"
 
 Starts the real group on a free loopback port and sends it a varied stream of requests, as a hostile or careless
@@ -44,8 +44,8 @@ MB = 2**20
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sim:1", help='"" for the embedded model')
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--warm-up", type=int, default=1000, help="requests before growth is measured")
+    p.add_argument("--requests", type=int, default=5000)
+    p.add_argument("--warm-up", type=int, default=2000, help="requests before growth is measured")
     p.add_argument("--sample-every", type=int, default=250)
     p.add_argument("--clients", type=int, default=8, help="requests in flight at once")
     p.add_argument("--api-servers", type=int, default=1)
