@@ -134,7 +134,7 @@ class EngineCore(EngineBase):
                                  else config.async_scheduling)
         self.pending: _Launched | None = None
         self.structured = StructuredOutputs(os.path.join(loaded.model_dir, "tokenizer.json"), self.vocab_size,
-                                            self.eos_token_ids)
+                                            self.eos_token_ids, config.grammar_cache_size)
         self.grammar_compiler = self.structured.compiler
         self.model_info = ModelInfo(
             model_dir=loaded.model_dir,

@@ -11,6 +11,7 @@ engine too, which takes no grammars (EngineBase.grammar_compiler is None there: 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import threading
@@ -24,7 +25,12 @@ from ipc.messages import FinishReason
 
 log = logging.getLogger(__name__)
 
-GRAMMAR_CACHE_SIZE = 512  # compiled grammars kept (a compiled JSON schema is tens of KB)
+# Compiled grammars kept (--grammar-cache-size): most are tens of KB, but a schema near the API servers' check's
+# limits (2,000 properties of one enum each) holds some 9 MB compiled, so the count bounds the memory: at 64, some
+# 600 MB at the worst. And at most GRAMMAR_CACHE_TEXT_BYTES of grammar text in all: what a grammar holds compiled
+# also grows with its text (a 2 MB one held some 6 MB), and one request body may bring 8 MiB of it.
+GRAMMAR_CACHE_SIZE = 64
+GRAMMAR_CACHE_TEXT_BYTES = 16 * 2**20
 # The worker thread's stack: llguidance's compiler recurses along a grammar's chains of rules and $refs (some 8 KB
 # a level), and a stack overflow kills the engine and its whole group. The API servers check every grammar with
 # 2 MB (apiserver/grammar_checker_process.py), so what reaches an engine compiles here with room to spare.
@@ -34,31 +40,38 @@ COMPILE_STACK_BYTES = 64 << 20
 class CompiledGrammar:
     """A grammar compiled against the tokenizer: the matcher every sequence copies, or why it failed."""
 
-    __slots__ = ("matcher", "error")
+    __slots__ = ("matcher", "error", "text_bytes")
 
-    def __init__(self, matcher=None, error: str | None = None):
+    def __init__(self, matcher=None, error: str | None = None, text_bytes: int = 0):
         self.matcher = matcher
         self.error = error
+        self.text_bytes = text_bytes  # the length of its grammar's text, which the cache's budget counts
 
 
 class GrammarCompiler:
-    """Compiles grammars against the model's tokenizer, caches them by their text (LRU), one worker thread."""
+    """Compiles grammars against the model's tokenizer, caches them by their text's digest (LRU, bounded in
+    entries and in text), one worker thread."""
 
-    def __init__(self, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
         self._tokenizer_file = tokenizer_file
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer = None
         self._lock = threading.Lock()  # the cache and the tokenizer, shared with the worker
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        # By the SHA-256 of the grammar's text: the text itself (megabytes, maybe) is not kept.
+        self._cache: OrderedDict[bytes, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._cached_text_bytes = 0
         self._worker: ThreadPoolExecutor | None = None
-        self._in_flight: dict[str, Future] = {}
+        self._in_flight: dict[bytes, Future] = {}
 
     def cached(self, grammar: str) -> CompiledGrammar | None:
+        key = _key(grammar)
         with self._lock:
-            compiled = self._cache.get(grammar)
+            compiled = self._cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(grammar)
+                self._cache.move_to_end(key)
             return compiled
 
     def compile(self, grammar: str) -> CompiledGrammar:
@@ -70,13 +83,14 @@ class GrammarCompiler:
 
     def compile_later(self, grammar: str) -> Future:
         """A future of the compiled grammar, compiled in the worker thread (one future per grammar in flight)."""
-        future = self._in_flight.get(grammar)
+        key = _key(grammar)
+        future = self._in_flight.get(key)
         if future is None:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
             future = self._submit(grammar)
-            self._in_flight[grammar] = future
-            future.add_done_callback(lambda _: self._in_flight.pop(grammar, None))
+            self._in_flight[key] = future
+            future.add_done_callback(lambda _: self._in_flight.pop(key, None))
         return future
 
     def _submit(self, grammar: str) -> Future:
@@ -95,23 +109,35 @@ class GrammarCompiler:
             # Errors without llguidance's parser state and the whole grammar: the API servers' check's limits.
             matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=grammars.parser_limits())
             error = grammars.short_reason(matcher.get_error()) if matcher.is_error() else None
-            compiled = CompiledGrammar(None if error else matcher, error)
+            compiled = CompiledGrammar(None if error else matcher, error, len(grammar))
         except Exception as exc:  # a grammar llguidance refuses at the API level
-            compiled = CompiledGrammar(None, grammars.short_reason(f"{type(exc).__name__}: {exc}"))
+            compiled = CompiledGrammar(None, grammars.short_reason(f"{type(exc).__name__}: {exc}"), len(grammar))
         if compiled.error:
             log.warning("a grammar does not compile: %s", compiled.error)
-        with self._lock:
-            self._cache[grammar] = compiled
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self._keep(_key(grammar), compiled)
         return compiled
+
+    def _keep(self, key: bytes, compiled: CompiledGrammar) -> None:
+        """Cache `compiled`, then drop the least recently used grammars while the cache is past its bounds."""
+        with self._lock:
+            self._drop(key)
+            self._cache[key] = compiled
+            self._cached_text_bytes += compiled.text_bytes
+            while len(self._cache) > 1 and (len(self._cache) > self._cache_size
+                                            or self._cached_text_bytes > GRAMMAR_CACHE_TEXT_BYTES):
+                self._drop(next(iter(self._cache)))
+
+    def _drop(self, key: bytes) -> None:
+        dropped = self._cache.pop(key, None)
+        if dropped is not None:
+            self._cached_text_bytes -= dropped.text_bytes
 
     def forget(self, grammar: str) -> None:
         """Drop `grammar`'s compiled matcher: one of its copies failed (a limit of llguidance's lexer, say). The
         copies share the lexer's state with it, so a later copy would find that state spent and allow nothing but
         EOS, an empty output that looks complete; compiled afresh, the grammar fails the same way again."""
         with self._lock:
-            self._cache.pop(grammar, None)
+            self._drop(_key(grammar))
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -122,6 +148,10 @@ class GrammarCompiler:
                     text = f.read()
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos_token_ids)
             return self._tokenizer
+
+
+def _key(grammar: str) -> bytes:
+    return hashlib.sha256(grammar.encode()).digest()
 
 
 class CompilingRequests:

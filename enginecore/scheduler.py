@@ -67,9 +67,19 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.num_waiting -= 1  # its heap entry is skipped when it comes up
+            self.num_waiting -= 1  # its heap entry is skipped when it comes up, or dropped by _compact_waiting
         seq.status = SequenceStatus.FINISHED
         self.pool.free(seq)
+        if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
+            self._compact_waiting()
+
+    def _compact_waiting(self) -> None:
+        """Drop the heap's finished entries. An entry behind a head that cannot start (every slot taken, or under
+        the priority policy behind better ones for as long as they keep coming) would otherwise stay, with its
+        sequence and prompt, for as long as that lasts: requests aborted while they wait (clients that time out
+        and retry) piled up without end. Run once finished entries outnumber the waiting ones: amortized O(1)."""
+        self._waiting = [entry for entry in self._waiting if entry[2].status is SequenceStatus.WAITING]
+        heapq.heapify(self._waiting)
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
@@ -174,6 +184,10 @@ class Scheduler:
         seq.num_preemptions += 1
         log.debug("preempted %s (choice %d) after %d tokens", seq.request_id, seq.index, seq.num_tokens)
         self.add(seq)
+
+
+# Finished entries the waiting heap may hold beyond as many as it has waiting ones, before it is compacted.
+_WAITING_SLACK = 64
 
 
 def _key(seq: Sequence):

@@ -32,6 +32,7 @@ import zmq
 from enginecore.engine_base import EngineBase, finished_at_once
 from enginecore.engine_io import EngineIO, Malformed
 from enginecore.grammar_compiler import CompilingRequests
+from enginecore.heap_trim import HeapTrim
 from enginecore.step_stats import StepStatsLog
 from ipc.codec import MalformedMessage
 from ipc.messages import (AbortRequests, EngineOutputs, EngineRequest, FinishReason, Kind, RequestOutput, UtilityCall,
@@ -54,6 +55,7 @@ class EngineServer:
         self.stats_log = StepStatsLog(core.step_counts, log_stats_interval, core.load) if log_stats_interval > 0 \
             else None
         self.io = EngineIO(router, step_timeout)  # the socket is the I/O thread's from serve_forever() on
+        self._heap_trim = HeapTrim()
         self._posted: list[tuple[bytes, object]] = []  # what this batch of work sends, once the stats are published
         self._poller = select.poll()
         self._poller.register(self.io.inbox_bell.fileno(), select.POLLIN)
@@ -84,6 +86,7 @@ class EngineServer:
             busy = core.has_work()
             if not busy:
                 io.busy_since = None  # waiting is not a step: never a wedge
+            self._heap_trim.after_work(idle=not busy)  # freed memory back to the kernel, now and then
             events = poll(0 if busy else self._idle_wait_ms())
             io.busy_since = time.monotonic()
             for fd, _ in events:

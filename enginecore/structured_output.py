@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from enginecore.grammar_compiler import GrammarCompiler
+from enginecore.grammar_compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
 from enginecore.host_to_device import to_device
 from ipc import grammar as grammars
 
@@ -119,8 +119,9 @@ class TokenMask:
 class StructuredOutputs:
     """The engine's side: matchers for new sequences, the step's mask, the accepted tokens."""
 
-    def __init__(self, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self.compiler = GrammarCompiler(tokenizer_file, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self.compiler = GrammarCompiler(tokenizer_file, vocab_size, eos_token_ids, cache_size)
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._bits = np.empty((0, self._words), dtype=np.int32)  # reused while large enough

@@ -71,6 +71,8 @@ class ServeConfig:
     # The most stop strings a request may give (a 400 past it; OpenAI takes 4): an API server looks for each in every
     # new token's text, in its event loop. 0: no limit.
     max_stop_strings: int = 64
+    # Compiled structured-output grammars each engine keeps (enginecore.grammar_compiler says what they weigh).
+    grammar_cache_size: int = 64
     # A streamed response's outputs that wait in the API server for a client that reads slower than the engine
     # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
     # aborted. 0: no limit.

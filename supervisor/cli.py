@@ -228,6 +228,9 @@ def _positive(click_context, param, value):
 @click.option("--max-stop-strings", default=_DEFAULTS.max_stop_strings, show_default=True, type=click.IntRange(0),
               help="Most stop strings a request may give (OpenAI takes 4); more get HTTP 400. Each is looked for in "
                    "every token's text, so thousands would slow every stream of the API server. 0: no limit.")
+@click.option("--grammar-cache-size", default=_DEFAULTS.grammar_cache_size, show_default=True, type=click.IntRange(1),
+              help="Compiled structured-output grammars each engine keeps for requests that repeat them (most weigh "
+                   "tens of KB, the largest some 9 MB).")
 @click.option("--max-stream-backlog-mb", default=_DEFAULTS.max_stream_backlog_mb, show_default=True,
               type=click.IntRange(0),
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "

@@ -32,6 +32,7 @@ from supervisor.layout import Layout
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024  # a HELLO is a few hundred bytes: refuse what could only be an attack
+REFUSED_KEPT = 1024  # refused node ids remembered (one error line each)
 
 
 @dataclass
@@ -59,7 +60,9 @@ class Registry:
             raise OSError(f"cannot listen for headless nodes on {self.address}: {exc}") from None
         self.ranks: dict[int, _Registration] = {}
         self._events: list = []
-        self._refused: set[str] = set()  # node ids refused once: one error line each
+        # Node ids refused once: one error line each. The last REFUSED_KEPT only: the ids come from the network,
+        # and whoever can reach the port could send new ones without end.
+        self._refused: dict[str, None] = {}
 
     # For the event source.
     def filenos(self) -> list[int]:
@@ -162,7 +165,10 @@ class Registry:
     def _refused_before(self, hello: NodeHello) -> bool:
         """One error line per refused node, not one per beat (it exits on the refusal, but a beat may be queued)."""
         seen = hello.node_id in self._refused
-        self._refused.add(hello.node_id)
+        if not seen:
+            self._refused[hello.node_id] = None
+            if len(self._refused) > REFUSED_KEPT:
+                del self._refused[next(iter(self._refused))]
         return seen
 
     def _holds_any(self, node_id: str) -> bool:

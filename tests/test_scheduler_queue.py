@@ -1,0 +1,40 @@
+"""Requests aborted while they wait are freed at once, with their prompts, even when the queue's head cannot start
+(every slot taken by long requests): clients that time out and retry must not pile up memory in the engine."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+from enginecore.block_pool import KVBlockPool
+from enginecore.scheduler import Scheduler
+from enginecore.sequence import Sequence
+from ipc.sampling import SamplingParams
+
+SAMPLING = SamplingParams(max_tokens=1000)
+
+
+def _seq(seq_id: int, priority: int) -> Sequence:
+    prompt = list(range(64))
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", client=None, index=0, token_ids=prompt,
+                    num_prompt_tokens=len(prompt), sampling=SAMPLING, priority=priority, arrival=seq_id)
+
+
+def test_requests_aborted_while_waiting_behind_a_blocked_head_are_freed():
+    scheduler = Scheduler(KVBlockPool(64, 16), max_num_seqs=1, max_num_batched_tokens=256)
+    running = _seq(0, priority=0)
+    scheduler.add(running)
+    scheduler.schedule()  # it runs, and holds the only slot
+    head = _seq(1, priority=0)  # waits for that slot as long as it runs
+    scheduler.add(head)
+    abandoned = []
+    for seq_id in range(2, 2002):  # queued behind the head, then given up by their clients
+        seq = _seq(seq_id, priority=1)
+        scheduler.add(seq)
+        scheduler.schedule()
+        scheduler.finish(seq)
+        abandoned.append(weakref.ref(seq))
+        del seq
+    gc.collect()
+    alive = sum(ref() is not None for ref in abandoned)
+    assert alive <= 100, f"{alive} of 2,000 aborted requests are still held by the engine"
+    assert scheduler.num_waiting == 1 and [s for s, _ in scheduler.schedule().entries] == [running]  # head waits on
