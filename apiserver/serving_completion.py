@@ -18,7 +18,7 @@ from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
 from apiserver.prompt_offload import encode
 from apiserver.protocol import CompletionRequest
-from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import check_echo, check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
@@ -78,6 +78,8 @@ class CompletionServing(GenerationServing):
         max_tokens = min(max_tokens_for(len(p), requested, max_model_len, "prompt") for p in prompts)
         if implicit:
             max_tokens = min(max_tokens, req.max_tokens)
+        if req.echo:
+            check_echo(req.n, sum(len(p) for p in prompts), ctx.config.max_echo_tokens)
         top_n = req.logprobs or 0
         echo_logprobs = req.echo and req.logprobs is not None
         if req.logprobs is not None and not req.stream:

@@ -90,3 +90,20 @@ def test_a_whole_answer_of_many_logprobs_does_not_hold_the_event_loop(server):
     choices = answer[0].json()["choices"]
     assert len(choices) == 100 and all(len(c["logprobs"]["content"]) == 400 for c in choices)
     assert slowest < 2.0, f"/health waited {slowest:.1f} s"
+
+
+def test_an_echo_repeated_past_the_limit_is_a_400_before_it_runs(server):
+    """`echo` sends each choice's prompt back: 256 prompts of 5,200 tokens (an 8 MB body) with n=128 made a 1 GB
+    response, which held the event loop 3.4 s and grew the API server 1 GB. Past --max-echo-tokens (4,194,304)
+    it is refused before it runs; under it, served."""
+    prompts = ["hello world " * 1100] * 16  # 2,201 tokens each
+    body = {"model": "sim:5", "prompt": prompts, "max_tokens": 1, "echo": True}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        refused = http.post("/v1/completions", json={**body, "n": 128})  # 4.5 million tokens echoed
+        assert refused.status_code == 400, refused.status_code
+        error = refused.json()["error"]
+        assert error["param"] == "echo" and "--max-echo-tokens" in error["message"], error
+        served = http.post("/v1/completions", json={**body, "n": 2})
+        assert served.status_code == 200, served.text
+        choices = served.json()["choices"]
+        assert len(choices) == 32 and all(c["text"].startswith(prompts[0]) for c in choices)
