@@ -8,6 +8,8 @@ then goes on with at most a few ms of delay while 1 MB is tokenized beside it, a
 inline). Smaller ones stay inline: a thread hop costs ~25 us plus a wake-up of the loop, more than tokenizing
 a short prompt, and inline the renderer's segment cache serves the pieces every request repeats (a system
 prompt of up to 8 KB); below the threshold the loop is held for at most ~4 ms.
+In the thread, long texts are encoded in pieces (apiserver.long_text): the tokenizer's working memory for one
+whole text of 8 MB was 840 MB.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
 
 def _ids(renderer: Renderer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    return [e.ids for e in renderer.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+    return renderer.encode_long(texts, add_special_tokens)
 
 
 async def _in_thread(function, *args):

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import jinja2
 
+from apiserver import long_text
 from apiserver.chat_template import render_chat
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import HFTokenizer
@@ -42,6 +43,7 @@ class Renderer:
         self.chat_template = chat_template or tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer, word_cache)
         self._affixes = _post_processor_affixes(self.tokenizer)
+        self._cuttable = long_text.cuttable(self.tokenizer)
 
     @property
     def tokenizing(self) -> str:
@@ -93,6 +95,12 @@ class Renderer:
             return self.tokenizer.encode(text, add_special_tokens=True).ids
         prefix, suffix = self._affixes
         return prefix + self._segments.encode(text) + suffix
+
+    def encode_long(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """What `encode` gives each text, by the Rust tokenizer in bounded batches, long texts in pieces where
+        that is exact (apiserver.long_text): for texts too long for the word cache's per-word Python, in a
+        worker thread (`encode_batch_fast` lets go of the GIL)."""
+        return long_text.encode(self.tokenizer, texts, self._cuttable, add_special_tokens, self._affixes)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
