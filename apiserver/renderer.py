@@ -102,8 +102,8 @@ class Renderer:
         worker thread (`encode_batch_fast` lets go of the GIL)."""
         return long_text.encode(self.tokenizer, texts, self._cuttable, add_special_tokens, self._affixes)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
+        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, release_gil=release_gil)
 
 
 class _SegmentCache:

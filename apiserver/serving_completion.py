@@ -16,7 +16,7 @@ from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
-from apiserver.prompt_offload import encode
+from apiserver.prompt_offload import decode, encode
 from apiserver.protocol import CompletionRequest
 from apiserver.sampling_params import check_echo, check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
@@ -94,7 +94,7 @@ class CompletionServing(GenerationServing):
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
             self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
-        echoes = [self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
+        echoes = [await self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
@@ -104,8 +104,8 @@ class CompletionServing(GenerationServing):
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, echoes),
         )
 
-    def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
-        return text if text is not None else self.ctx.renderer.decode(prompt_ids, skip_special_tokens=False)
+    async def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
+        return text if text is not None else await decode(self.ctx.renderer, prompt_ids, skip_special_tokens=False)
 
     def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int, top_n: int,
                    echoes) -> dict:

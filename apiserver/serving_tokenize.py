@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import DEFAULT_TEMPLATE
-from apiserver.prompt_offload import encode, render_chat
+from apiserver.prompt_offload import decode, encode, render_chat
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
 from apiserver.serving_chat import message_dict
@@ -51,10 +51,9 @@ class TokenizeServing(GenerationServing):
         req = await parse_request_body(DetokenizeRequest, await request.body())
         self.check_model(req.model)
         vocab = self.ctx.model.vocab_size
-        for token in req.tokens:
-            if token >= vocab:
-                raise InvalidRequest(f"Token id {token} is outside the vocabulary (size {vocab}).", param="tokens")
-        return _json({"prompt": self.ctx.renderer.decode(req.tokens, skip_special_tokens=False)})
+        if req.tokens and max(req.tokens) >= vocab:
+            raise InvalidRequest(f"Token id {max(req.tokens)} is outside the vocabulary (size {vocab}).", param="tokens")
+        return _json({"prompt": await decode(self.ctx.renderer, req.tokens, skip_special_tokens=False)})
 
     async def tokenizer_info(self, request: Request) -> Response:
         hf = self.ctx.renderer.hf_tokenizer
