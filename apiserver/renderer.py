@@ -100,7 +100,8 @@ class Renderer:
         """What `encode` gives each text, by the Rust tokenizer in bounded batches, long texts in pieces where
         that is exact (apiserver.long_text): for texts too long for the word cache's per-word Python, in a
         worker thread (`encode_batch_fast` lets go of the GIL)."""
-        return long_text.encode(self.tokenizer, texts, self._cuttable, add_special_tokens, self._affixes)
+        split = self._segments.split if self._cuttable else None
+        return long_text.encode(self.tokenizer, texts, split, add_special_tokens, self._affixes)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, release_gil=release_gil)
@@ -132,6 +133,14 @@ class _SegmentCache:
             self._pattern = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
         self._cache: OrderedDict[str, array] = OrderedDict()
         self.words = WordCache.for_tokenizer(tokenizer) if self._literal and word_cache else None
+
+    def split(self, text: str) -> list[str | int]:
+        """The text between the added tokens and the added tokens' ids, in order (the text itself where this
+        cannot split); empty text between them left out."""
+        if self._pattern is None:
+            return [text]
+        added_ids = self._added_ids
+        return [added_ids[piece] if i % 2 else piece for i, piece in enumerate(self._pattern.split(text)) if piece]
 
     def encode(self, text: str) -> list[int]:
         if self._pattern is None:  # no added tokens, or ones this cannot split at: the text is one piece

@@ -6,10 +6,11 @@ import random
 import pytest
 
 from apiserver import long_text
+from apiserver.renderer import _SegmentCache
 from tests.test_word_cache import COVERED, LLAMA3_SPLIT, _split_then_bytes, _with_pre_tokenizer
 
 WORDS = ["hello", " world", ",", "  ", "\n", "\n\n ", "<|im_start|>", "<|im_end|>", "é", " 日本語", " 123", "4567",
-         "\t", "😀", "'s", "  x", "!", " ?", "a" * 300]
+         "\t", "😀", "'s", "  x", "!", " ?", "a" * 300, "<|im_start|>user\na<|im_end|>\n" * 50]
 
 
 @pytest.mark.parametrize("kind", COVERED)
@@ -18,10 +19,10 @@ def test_pieces_give_the_whole_texts_ids(kind, monkeypatch):
     tokenizer = COVERED[kind]()
     assert long_text.cuttable(tokenizer)
     rng = random.Random(3)
-    texts = ["".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3000))) for _ in range(12)] + ["x"]
+    texts = ["".join(rng.choice(WORDS) for _ in range(rng.randint(1, 1500))) for _ in range(8)] + ["x"]
     assert max(len(long_text.pieces(t)) for t in texts) > 10
     for special, affixes in ((False, None), (True, ([7], [9]))):
-        got = long_text.encode(tokenizer, texts, True, special, affixes)
+        got = long_text.encode(tokenizer, texts, _SegmentCache(tokenizer).split, special, affixes)
         want = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
         if affixes:
             want = [affixes[0] + ids + affixes[1] for ids in want]
@@ -33,7 +34,7 @@ def test_special_tokens_without_known_affixes_keep_the_text_whole(monkeypatch):
     tokenizer = COVERED["gpt2 (embedded)"]()
     text = "word " * 1000
     whole = tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids
-    assert long_text.encode(tokenizer, [text], True, True, None) == [whole]
+    assert long_text.encode(tokenizer, [text], _SegmentCache(tokenizer).split, True, None) == [whole]
 
 
 def test_tokenizers_it_cannot_cut_exactly():
