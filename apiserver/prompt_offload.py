@@ -8,6 +8,8 @@ then goes on with at most a few ms of delay while 1 MB is tokenized beside it, a
 inline). Smaller ones stay inline: a thread hop costs ~25 us plus a wake-up of the loop, more than tokenizing
 a short prompt, and inline the renderer's segment cache serves the pieces every request repeats (a system
 prompt of up to 8 KB); below the threshold the loop is held for at most ~4 ms.
+In the thread, long texts are encoded in pieces (apiserver.long_text): the tokenizer's working memory for one
+whole text of 8 MB was 840 MB.
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ import orjson
 from apiserver.renderer import Renderer
 
 OFFLOAD_MIN_CHARS = 16384
+# Decoding costs ~0.25 us per token id (4 million, an 8 MB /detokenize: 1 s of the loop): from this many ids on it
+# runs in the worker thread, by tokenizers' decode_batch, which lets go of the GIL (its decode does not).
+OFFLOAD_MIN_IDS = 4096
 # Few threads: huge prompts wait for each other here rather than each taking a core and its memory.
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
 
 def _ids(renderer: Renderer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    return [e.ids for e in renderer.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+    return renderer.encode_long(texts, add_special_tokens)
 
 
 async def _in_thread(function, *args):
@@ -36,6 +41,13 @@ async def encode(renderer: Renderer, texts: list[str], add_special_tokens: bool 
     if sum(len(t) for t in texts) < OFFLOAD_MIN_CHARS:
         return [renderer.encode(t, add_special_tokens) for t in texts]
     return await _in_thread(_ids, renderer, texts, add_special_tokens)
+
+
+async def decode(renderer: Renderer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """`renderer.decode`, in the worker thread for many ids."""
+    if len(token_ids) < OFFLOAD_MIN_IDS:
+        return renderer.decode(token_ids, skip_special_tokens)
+    return await _in_thread(renderer.decode, token_ids, skip_special_tokens, True)
 
 
 def _chat_ids(renderer: Renderer, messages: list[dict], options: tuple, add_special_tokens: bool) -> list[int]:

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import jinja2
 
+from apiserver import long_text
 from apiserver.chat_template import render_chat
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import HFTokenizer
@@ -45,6 +46,7 @@ class Renderer:
         self.chat_template = chat_template or tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer, word_cache)
         self._affixes = _post_processor_affixes(self.tokenizer)
+        self._cuttable = long_text.cuttable(self.tokenizer)
 
     @property
     def tokenizing(self) -> str:
@@ -97,8 +99,15 @@ class Renderer:
         prefix, suffix = self._affixes
         return prefix + self._segments.encode(text) + suffix
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def encode_long(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """What `encode` gives each text, by the Rust tokenizer in bounded batches, long texts in pieces where
+        that is exact (apiserver.long_text): for texts too long for the word cache's per-word Python, in a
+        worker thread (`encode_batch_fast` lets go of the GIL)."""
+        split = self._segments.split if self._cuttable else None
+        return long_text.encode(self.tokenizer, texts, split, add_special_tokens, self._affixes)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
+        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, release_gil=release_gil)
 
 
 class _SegmentCache:
@@ -128,6 +137,14 @@ class _SegmentCache:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._held = 0  # characters and token ids of the cached pieces, bounded by _SEGMENT_CACHE_HELD
         self.words = WordCache.for_tokenizer(tokenizer) if self._literal and word_cache else None
+
+    def split(self, text: str) -> list[str | int]:
+        """The text between the added tokens and the added tokens' ids, in order (the text itself where this
+        cannot split); empty text between them left out."""
+        if self._pattern is None:
+            return [text]
+        added_ids = self._added_ids
+        return [added_ids[piece] if i % 2 else piece for i, piece in enumerate(self._pattern.split(text)) if piece]
 
     def encode(self, text: str) -> list[int]:
         if self._pattern is None:  # no added tokens, or ones this cannot split at: the text is one piece

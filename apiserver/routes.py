@@ -17,6 +17,7 @@ from apiserver.info_routes import DevRoutes, InfoRoutes
 from apiserver.serving_chat import ChatServing
 from apiserver.serving_completion import CompletionServing
 from apiserver.serving_tokenize import TokenizeServing
+from apiserver.validation import parsing
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ class Invocations:
         self._completion = completion
 
     async def create(self, request: Request):
+        raw = await request.body()
         try:
-            body = orjson.loads(await request.body())
+            async with parsing(raw):
+                body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):

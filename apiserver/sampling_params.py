@@ -55,6 +55,19 @@ def check_whole_logprobs(choices: int, max_tokens: int, top_n: int, prompt_token
         )
 
 
+def check_echo(choices: int, prompt_tokens: int, limit: int) -> None:
+    """400 when a completion's `echo` would send back more than `limit` prompt tokens: every choice repeats its
+    prompt's text, so 256 prompts of 5,000 tokens (an 8 MB body) with n=128 made a 1 GB response, which held the
+    API server's event loop 3.4 s and grew it 1 GB. `choices`: n; `prompt_tokens`: all the prompts' tokens."""
+    worst = choices * prompt_tokens
+    if limit and worst > limit:
+        raise InvalidRequest(
+            f"This request would echo {worst:,} prompt tokens (n x the prompts' tokens), more than the {limit:,} a "
+            f"response may repeat (--max-echo-tokens). Ask for fewer choices (n) or prompts, or no echo.",
+            param="echo",
+        )
+
+
 def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
     values = {}

@@ -26,7 +26,7 @@ from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.tool_choice import tool_plan
 from apiserver.usage import usage
-from apiserver.validation import parse_body
+from apiserver.validation import parse_request_body
 
 # How much of the prompt's end to decode to see whether the chat template opened the reasoning.
 _PROMPT_TAIL_TOKENS = 4
@@ -71,7 +71,7 @@ class ChatServing(GenerationServing):
 
     async def create(self, request: Request, body: bytes | None = None):
         """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
-        req = parse_body(ChatCompletionRequest, body if body is not None else await request.body())
+        req = await parse_request_body(ChatCompletionRequest, body if body is not None else await request.body())
         self.check_model(req.model)
         self.check_engine()
         if req.top_logprobs and not req.logprobs:

@@ -16,13 +16,13 @@ from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
-from apiserver.prompt_offload import encode
+from apiserver.prompt_offload import decode, encode
 from apiserver.protocol import CompletionRequest
-from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import check_echo, check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
-from apiserver.validation import parse_body
+from apiserver.validation import parse_request_body
 
 MAX_PROMPTS = 256
 
@@ -58,7 +58,7 @@ class CompletionServing(GenerationServing):
 
     async def create(self, request: Request, body: bytes | None = None):
         """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
-        req = parse_body(CompletionRequest, body if body is not None else await request.body())
+        req = await parse_request_body(CompletionRequest, body if body is not None else await request.body())
         self.check_model(req.model)
         self.check_engine()
         if req.max_tokens == 0 and not req.echo:
@@ -78,6 +78,8 @@ class CompletionServing(GenerationServing):
         max_tokens = min(max_tokens_for(len(p), requested, max_model_len, "prompt") for p in prompts)
         if implicit:
             max_tokens = min(max_tokens, req.max_tokens)
+        if req.echo:
+            check_echo(req.n, sum(len(p) for p in prompts), ctx.config.max_echo_tokens)
         top_n = req.logprobs or 0
         echo_logprobs = req.echo and req.logprobs is not None
         if req.logprobs is not None and not req.stream:
@@ -92,7 +94,7 @@ class CompletionServing(GenerationServing):
             req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
             self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
-        echoes = [self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
+        echoes = [await self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
@@ -102,8 +104,8 @@ class CompletionServing(GenerationServing):
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, echoes),
         )
 
-    def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
-        return text if text is not None else self.ctx.renderer.decode(prompt_ids, skip_special_tokens=False)
+    async def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
+        return text if text is not None else await decode(self.ctx.renderer, prompt_ids, skip_special_tokens=False)
 
     def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int, top_n: int,
                    echoes) -> dict:

@@ -7,15 +7,23 @@ from starlette.responses import Response
 
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import DEFAULT_TEMPLATE
-from apiserver.prompt_offload import encode, render_chat
+from apiserver.prompt_offload import decode, encode, render_chat
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
 from apiserver.serving_chat import message_dict
-from apiserver.validation import parse_body
+from apiserver.validation import parse_body, parse_request_body, parsing
 
 
 def _json(body) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _tokenize_request(body: bytes) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    try:
+        is_chat = b'"messages"' in body and "messages" in orjson.loads(body)
+    except (orjson.JSONDecodeError, TypeError):
+        is_chat = False  # parse_body below says what is wrong
+    return parse_body(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
 
 
 class TokenizeServing(GenerationServing):
@@ -25,32 +33,27 @@ class TokenizeServing(GenerationServing):
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.body()
-        try:
-            is_chat = b'"messages"' in body and "messages" in orjson.loads(body)
-        except (orjson.JSONDecodeError, TypeError):
-            is_chat = False  # parse_body below says what is wrong
+        async with parsing(body):
+            req = _tokenize_request(body)
         renderer = self.ctx.renderer
-        if is_chat:
-            req = parse_body(TokenizeChatRequest, body)
+        if isinstance(req, TokenizeChatRequest):
             self.check_model(req.model)
             tokens = await render_chat(
                 renderer, [message_dict(m) for m in req.messages], req.add_generation_prompt,
                 req.continue_final_message, req.chat_template_kwargs, req.add_special_tokens,
             )
         else:
-            req = parse_body(TokenizeCompletionRequest, body)
             self.check_model(req.model)
             tokens = (await encode(renderer, [req.prompt], req.add_special_tokens))[0]
         return _json({"count": len(tokens), "max_model_len": self.ctx.model.max_model_len, "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
-        req = parse_body(DetokenizeRequest, await request.body())
+        req = await parse_request_body(DetokenizeRequest, await request.body())
         self.check_model(req.model)
         vocab = self.ctx.model.vocab_size
-        for token in req.tokens:
-            if token >= vocab:
-                raise InvalidRequest(f"Token id {token} is outside the vocabulary (size {vocab}).", param="tokens")
-        return _json({"prompt": self.ctx.renderer.decode(req.tokens, skip_special_tokens=False)})
+        if req.tokens and max(req.tokens) >= vocab:
+            raise InvalidRequest(f"Token id {max(req.tokens)} is outside the vocabulary (size {vocab}).", param="tokens")
+        return _json({"prompt": await decode(self.ctx.renderer, req.tokens, skip_special_tokens=False)})
 
     async def tokenizer_info(self, request: Request) -> Response:
         hf = self.ctx.renderer.hf_tokenizer

@@ -80,6 +80,9 @@ class ServeConfig:
     # The most logprob entries (a token's, and each of its top logprobs) a response that is not streamed may hold
     # (apiserver.sampling_params.check_whole_logprobs): some 400 MB of an API server's memory. 0: no limit.
     max_logprob_entries: int = 1_000_000
+    # The most prompt tokens a completion's `echo` may repeat over its choices (n x the prompts' tokens): each is
+    # the prompt's text again in the response (apiserver.sampling_params.check_echo). 0: no limit.
+    max_echo_tokens: int = 4_194_304
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False

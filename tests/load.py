@@ -1,4 +1,5 @@
-"""A bounded background load for fault tests: a few client threads sending chat completions until stopped."""
+"""A bounded background load for fault tests: a few client threads sending chat completions until stopped; and how
+long /health waits beside one hostile request."""
 from __future__ import annotations
 
 import threading
@@ -67,3 +68,18 @@ class BackgroundLoad:
         deadline = time.monotonic() + timeout
         while self.ok < successes and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def slowest_health_beside(url: str, send, every: float = 0.05) -> float:
+    """The longest a GET /health took while `send()` ran in a thread (asked every `every` seconds)."""
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while sender.is_alive():
+            started = time.monotonic()
+            assert http.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(every)
+    sender.join()
+    return slowest

@@ -144,10 +144,9 @@ def test_bad_tool_requests_are_400(client, model):
 def test_megabytes_of_tools_are_rendered_off_the_event_loop(served_with_tools, model):
     """The template renders the tools too: 7.7 MB of them beside one short message were rendered and tokenized in
     the event loop (1.1 s of it here, for every other client); measured with them, they go to the worker thread."""
-    import threading
-    import time
-
     import httpx
+
+    from tests.load import slowest_health_beside
 
     tools = [{"type": "function", "function": {"name": f"f{i}", "description": "word " * 12_000,
                                                "parameters": {"type": "object", "properties": {}}}}
@@ -155,16 +154,7 @@ def test_megabytes_of_tools_are_rendered_off_the_event_loop(served_with_tools, m
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools,
             "tool_choice": "none"}
     answer: list = []
-    sender = threading.Thread(target=lambda: answer.append(
-        httpx.post(f"{served_with_tools.base_url}/chat/completions", json=body, timeout=120)))
-    sender.start()
-    slowest = 0.0
-    with httpx.Client(base_url=served_with_tools.url, timeout=60) as http:
-        while sender.is_alive():
-            started = time.monotonic()
-            assert http.get("/health").status_code == 200
-            slowest = max(slowest, time.monotonic() - started)
-            time.sleep(0.02)
-    sender.join()
+    slowest = slowest_health_beside(served_with_tools.url, lambda: answer.append(
+        httpx.post(f"{served_with_tools.base_url}/chat/completions", json=body, timeout=120)), every=0.02)
     assert answer[0].status_code == 400 and "maximum context length" in answer[0].json()["error"]["message"]
     assert slowest < 0.6, f"/health waited {slowest:.2f} s"
