@@ -45,13 +45,15 @@ def _normalized(outputs: dict) -> dict:
                    o.logprobs, o.prompt_logprobs, o.error) for o in outs] for key, outs in outputs.items()}
 
 
-def _compare(prompts, requests=None, **settings) -> dict:
+def _compare(prompts, requests=None, preempted: dict | None = None, **settings) -> dict:
     """Runs the requests under both schedulings; asserts equal outputs and a clean pool; returns the async
-    engine's outputs."""
+    engine's outputs. `preempted`: filled with each scheduling's preempted request ids (False, True)."""
     results = {}
     for mode in (False, True):
         engine = make_engine(async_scheduling=mode, **settings)
         assert engine.async_scheduling is mode
+        if preempted is not None:
+            preempted[mode] = record_preemptions(engine)
         results[mode] = _normalized(run_outputs(engine, requests or _requests(prompts)))
         assert engine.pending is None and not engine.requests
         assert engine.pool.num_free == engine.pool.num_blocks  # every block back, the wasted rows' too
@@ -97,11 +99,9 @@ def test_same_outputs_across_preemption(prompts):
     requests = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     sizes = sum(-(-(len(p) + 48) // 16) for p in prompts)
-    engine = make_engine(async_scheduling=True, kv_cache_memory=(sizes // 2) * engine_block_bytes())
-    preempted = record_preemptions(engine)
-    run_outputs(engine, requests)
-    assert preempted, "the pool was meant to be too small for every sequence at once"
-    _compare(prompts, requests, kv_cache_memory=(sizes // 2) * engine_block_bytes())
+    preempted: dict = {}
+    _compare(prompts, requests, preempted=preempted, kv_cache_memory=(sizes // 2) * engine_block_bytes())
+    assert preempted[True], "the pool was meant to be too small for every sequence at once"
 
 
 def test_a_row_the_sampler_cannot_take_fails_alone_as_step_by_step(prompts):
