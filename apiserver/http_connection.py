@@ -44,6 +44,9 @@ from apiserver.write_batch import BatchedTransport, WriteBatch
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
 # resumes, the client gets its full timeout give or take this much.
 PAUSED_READ_RECHECK_SECONDS = 1.0
+# The most bytes of header names and values one request may send (nginx allows 32 KB, Node 16 KB): httptools has no
+# limit, and 8 MB of headers (600,000 of them) were read, kept and answered, 40 MB of the server each.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass
@@ -74,6 +77,10 @@ class ConnectionAnswer(NamedTuple):
 REQUEST_TIMEOUT = ConnectionAnswer.of(
     RequestTimeout("The request was not received in time: the connection is closed."), b"Request Timeout"
 )
+HEADERS_TOO_LARGE = ConnectionAnswer.of(InvalidRequest(
+    f"The request's headers are larger than {MAX_HEADER_BYTES // 1024} KB in all: the connection is closed.",
+    code="request_headers_too_large", status=431,
+), b"Request Header Fields Too Large")
 INVALID_HTTP = ConnectionAnswer.of(InvalidRequest(
     "The request is not valid HTTP/1.1 (the server could not parse it): the connection is closed.",
     code="invalid_http_request",
@@ -104,6 +111,7 @@ class HttpConnection(HttpToolsProtocol):
         self._headers_done = False
         self._lingering_close = LingeringClose(self)  # the cycle's transport while a request's body is read
         self._linger_until: float | None = None  # loop time by which a lingering close ends
+        self._header_bytes = 0  # of the request being read
 
     # Connection.
     def connection_made(self, transport) -> None:
@@ -133,6 +141,13 @@ class HttpConnection(HttpToolsProtocol):
         super().on_message_begin()
         self._reading_since = self._last_read = self.loop.time()
         self._headers_done = False
+        self._header_bytes = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise _HeadersTooLarge  # stops the parser: data_received answers (send_400_response)
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
@@ -227,7 +242,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refused (it has logged a warning): ours instead."""
-        self._answer_and_close(INVALID_HTTP)
+        self._answer_and_close(HEADERS_TOO_LARGE if self._header_bytes > MAX_HEADER_BYTES else INVALID_HTTP)
 
     def _answer_and_close(self, answer: ConnectionAnswer) -> None:
         """Answer the request being read, where nothing else has answered it, then close the connection."""
@@ -250,3 +265,7 @@ class HttpConnection(HttpToolsProtocol):
 
 def _nothing() -> None:
     pass
+
+
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback: httptools stops and raises HttpParserCallbackError, an HttpParserError."""

@@ -125,6 +125,26 @@ def test_headers_sent_a_byte_a_second_get_408_then_close(short_timeouts):
     assert count_4xx(short_timeouts) == answered_before + 1  # the connection's own answer is counted too
 
 
+def test_headers_past_64_kb_get_431_then_close_and_smaller_ones_are_served(short_timeouts):
+    """httptools has no limit of its own: 8 MB of headers (600,000 of them) were read, kept and answered."""
+    answered_before = count_4xx(short_timeouts)
+    big = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"v" * 100) for i in range(700))  # 75 KB
+    conn = connect(short_timeouts)
+    try:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    answer, _ = read_until_closed(conn)
+    conn.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b'"request_headers_too_large"' in answer and b"connection: close" in answer.lower()
+    assert count_4xx(short_timeouts) == answered_before + 1
+    conn = connect(short_timeouts)
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + big[: 40 * 1024].rsplit(b"\r\n", 1)[0] + b"\r\n\r\n")
+    assert read_response(conn).startswith(b"HTTP/1.1 200")
+    conn.close()
+
+
 def test_a_stalled_body_gets_408_then_close(short_timeouts):
     conn = connect(short_timeouts)
     body = b'{"model": "sim:10", "prompt": "x", "max_tokens": 1}'
