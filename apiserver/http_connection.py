@@ -44,9 +44,6 @@ from apiserver.write_batch import BatchedTransport, WriteBatch
 # While we stopped reading a body (flow control), the body's timer is checked this often: once reading
 # resumes, the client gets its full timeout give or take this much.
 PAUSED_READ_RECHECK_SECONDS = 1.0
-# The most bytes of header names and values one request may send (nginx allows 32 KB, Node 16 KB): httptools has no
-# limit, and 8 MB of headers (600,000 of them) were read, kept and answered, 40 MB of the server each.
-MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass
@@ -59,6 +56,9 @@ class ConnectionPolicy:
     write_batch: WriteBatch | None = None  # this loop's batch of writes (apiserver/write_batch.py); None: direct
     direct_body: bool = False  # each request gets its DirectBody (apiserver/direct_body.py) in its scope
     count_status: Callable[[int], None] | None = None  # Metrics.count_status: answers made here are counted
+    # The most bytes of header names and values one request may send (--max-request-header-bytes): httptools has
+    # no limit, and 8 MB of headers (600,000 of them) were read, kept and answered, 40 MB of the server each.
+    max_header_bytes: int = 64 * 1024
 
 
 class ConnectionAnswer(NamedTuple):
@@ -77,10 +77,6 @@ class ConnectionAnswer(NamedTuple):
 REQUEST_TIMEOUT = ConnectionAnswer.of(
     RequestTimeout("The request was not received in time: the connection is closed."), b"Request Timeout"
 )
-HEADERS_TOO_LARGE = ConnectionAnswer.of(InvalidRequest(
-    f"The request's headers are larger than {MAX_HEADER_BYTES // 1024} KB in all: the connection is closed.",
-    code="request_headers_too_large", status=431,
-), b"Request Header Fields Too Large")
 INVALID_HTTP = ConnectionAnswer.of(InvalidRequest(
     "The request is not valid HTTP/1.1 (the server could not parse it): the connection is closed.",
     code="invalid_http_request",
@@ -145,7 +141,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
-        if self._header_bytes > MAX_HEADER_BYTES:
+        if self._header_bytes > self._policy.max_header_bytes:
             raise _HeadersTooLarge  # stops the parser: data_received answers (send_400_response)
         super().on_header(name, value)
 
@@ -242,7 +238,8 @@ class HttpConnection(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refused (it has logged a warning): ours instead."""
-        self._answer_and_close(HEADERS_TOO_LARGE if self._header_bytes > MAX_HEADER_BYTES else INVALID_HTTP)
+        too_large = self._header_bytes > self._policy.max_header_bytes
+        self._answer_and_close(_headers_too_large(self._policy.max_header_bytes) if too_large else INVALID_HTTP)
 
     def _answer_and_close(self, answer: ConnectionAnswer) -> None:
         """Answer the request being read, where nothing else has answered it, then close the connection."""
@@ -265,6 +262,13 @@ class HttpConnection(HttpToolsProtocol):
 
 def _nothing() -> None:
     pass
+
+
+def _headers_too_large(limit: int) -> ConnectionAnswer:
+    return ConnectionAnswer.of(InvalidRequest(
+        f"The request's headers are larger than {limit:,} bytes in all (--max-request-header-bytes): the connection "
+        f"is closed.", code="request_headers_too_large", status=431,
+    ), b"Request Header Fields Too Large")
 
 
 class _HeadersTooLarge(Exception):

@@ -95,7 +95,8 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
     direct_body = config.direct_stream_events and not config.middleware
     # The answers the connections make themselves (400, 408) are counted as the app's are.
     policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch,
-                              direct_body=direct_body, count_status=metrics.count_status)
+                              direct_body=direct_body, count_status=metrics.count_status,
+                              max_header_bytes=config.max_request_header_bytes)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
 
 

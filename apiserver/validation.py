@@ -47,7 +47,10 @@ async def parsing(body: bytes):
 
 
 async def parse_request_body(model: type[BaseModel], body: bytes):
-    """`parse_body`, one large body at a time (`parsing`)."""
+    """`parse_body`, one large body at a time (`parsing`); a small one at once, without the context manager's
+    generator (every chat and completion comes here)."""
+    if len(body) < LARGE_BODY_BYTES:
+        return parse_body(model, body)
     async with parsing(body):
         return parse_body(model, body)
 

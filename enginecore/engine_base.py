@@ -143,7 +143,6 @@ class EngineBase:
             priority=request.priority if self.use_priority else 0, arrival=next(self._arrivals),
             generator=self._choice_generator(p, 0), pending_forks=list(range(1, max(1, p.n))),
             pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
-            stop_token_ids=frozenset(p.stop_token_ids),
         )
         if p.grammar is not None:
             error = self._constrain(seq)

@@ -52,8 +52,12 @@ class Sequence:
     grammar: object | None = None  # structured outputs: its matcher (enginecore.structured_output.GrammarState)
     # sampling.stop_token_ids as a set, made once per request: the check runs for every token, and a request may
     # list the whole vocabulary (a list of a million ids once made every step of its engine take 2.4 s).
-    stop_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()  # made from sampling's if not given (a fork shares its parent's)
     min_tokens_barred: object | None = None  # the ids barred until min_tokens, on the device (the sampler's)
+
+    def __post_init__(self):
+        if not self.stop_token_ids and self.sampling.stop_token_ids:
+            self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
 
     @property
     def key(self) -> tuple[int, int, int]:

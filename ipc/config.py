@@ -62,6 +62,9 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # The most bytes of header names and values one request may send (431 past it): httptools has no limit of its
+    # own (nginx allows 32 KB, Node 16 KB).
+    max_request_header_bytes: int = 64 * 1024
     # The most strings a structured output's `choice` may list (a 400 past it): the API server's grammar checker
     # builds and checks the list's grammar and the engine compiles it, each some milliseconds per thousand strings.
     max_structured_output_choices: int = 10_000

@@ -219,6 +219,9 @@ def _positive(click_context, param, value):
                    "request larger than the limit alone gets 400).")
 @click.option("--max-request-body-bytes", default=_DEFAULTS.max_request_body_bytes, show_default=True,
               type=click.IntRange(1), help="Largest request body; a larger one gets HTTP 413 before it is parsed.")
+@click.option("--max-request-header-bytes", default=_DEFAULTS.max_request_header_bytes, show_default=True,
+              type=click.IntRange(1024), help="Most bytes of header names and values one request may send; more get "
+                                              "HTTP 431 and the connection closes.")
 @click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
               type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
 @click.option("--structured-output-check-timeout", default=_DEFAULTS.structured_output_check_timeout,

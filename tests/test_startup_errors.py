@@ -46,6 +46,16 @@ def test_an_address_to_listen_on_that_cannot_be_is_one_line_and_exit_code_2(args
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args", [
+    ["--max-request-header-bytes", "10"], ["--max-stop-strings", "-1"], ["--structured-output-check-timeout", "0"],
+    ["--grammar-cache-size", "0"], ["--max-echo-tokens", "-5"],
+], ids=lambda args: args[0])
+def test_a_limit_out_of_its_range_is_one_line_and_exit_code_2(args):
+    result = run_supervise("--model", "sim:5", *args, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert args[0] in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("fds, fd3, words", [("abc", None, "not a count"), ("1", "file", "is not a socket")])
 def test_a_broken_socket_activation_is_one_line_and_exit_code_2(tmp_path, fds, fd3, words):
     """LISTEN_PID names this process (systemd socket activation) but LISTEN_FDS is no count, or descriptor 3 is a
