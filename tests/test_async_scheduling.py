@@ -12,6 +12,7 @@ import openai
 from ipc import grammar as grammars
 from ipc.messages import EngineRequest
 from ipc.sampling import SamplingParams
+from tests.float_noise import floats_loosened
 from tests.test_engine_support import (  # noqa: F401
     chat_prompt, engine_block_bytes, loaded_model, make_engine, prompts, record_preemptions, run_outputs, tokenizer,
 )
@@ -57,29 +58,8 @@ def _compare(prompts, requests=None, preempted: dict | None = None, **settings) 
         results[mode] = _normalized(run_outputs(engine, requests or _requests(prompts)))
         assert engine.pending is None and not engine.requests
         assert engine.pool.num_free == engine.pool.num_blocks  # every block back, the wasted rows' too
-    assert _floats_loosened(results[True]) == _floats_loosened(results[False])
+    assert floats_loosened(results[True]) == floats_loosened(results[False])
     return results[True]
-
-
-class _Close(float):
-    """A logprob that equals another within float32 noise: under asynchronous scheduling a step can hold one wasted
-    row more, and a GEMM of another shape rounds its last bits differently (seen: -1.3270649 against -1.3270636)."""
-
-    def __eq__(self, other):
-        return isinstance(other, float) and abs(self - other) <= 1e-4 * max(1.0, abs(other))
-
-    __hash__ = float.__hash__
-
-
-def _floats_loosened(value):
-    """`value` with every float compared as _Close; token ids, finishes and errors still compare exactly."""
-    if isinstance(value, float):
-        return _Close(value)
-    if isinstance(value, dict):
-        return {key: _floats_loosened(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_floats_loosened(v) for v in value)
-    return value
 
 
 def test_same_outputs_as_step_by_step(prompts):
