@@ -305,8 +305,11 @@ class EngineClient:
                 raise ValueError(f"request id {request_id!r} is already in flight")
         # Encoded before anything counts: a record that cannot be (an integer past 64 bits that a front end let
         # through) fails the request here, not after it was counted in flight for good.
-        messages = [(request_id, codec.encode(EngineRequest(request_id, prompt_token_ids, sampling, priority)))
-                    for request_id, prompt_token_ids in requests]
+        # Prompt i's choices are sequences i * n to i * n + n - 1 of this request: the engine's fair share counts
+        # them so (ipc.messages.EngineRequest.ordinal).
+        n = max(1, sampling.n)
+        messages = [(request_id, codec.encode(EngineRequest(request_id, prompt_token_ids, sampling, priority, i * n)))
+                    for i, (request_id, prompt_token_ids) in enumerate(requests)]
         engines = {}
         for request_id, _ in requests:
             engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()

@@ -178,11 +178,15 @@ class EngineCore(EngineBase):
     def _schedule(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
-    def _start_fork(self, parent: Sequence, child: Sequence) -> None:
-        self.pool.fork(parent, child)
-        self.scheduler.add_running(child)
+    def _start_fork(self, parent: Sequence, child: Sequence) -> bool:
         if child.grammar is not None:
             self.structured.forked(child)
+        if self.scheduler.full():  # --max-num-seqs holds for forks too: n=128 once ran 128 sequences a step
+            self.scheduler.add_fork(child)
+            return False
+        self.pool.fork(parent, child)
+        self.scheduler.add_running(child)
+        return True
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

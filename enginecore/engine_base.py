@@ -90,8 +90,9 @@ class EngineBase:
         """A new request's first sequence: it waits for its first step."""
         raise NotImplementedError
 
-    def _start_fork(self, parent: Sequence, child: Sequence) -> None:
-        """child, just forked from parent, runs from the next step."""
+    def _start_fork(self, parent: Sequence, child: Sequence) -> bool:
+        """child, just forked from parent at the end of its prompt: True if it runs at once, beside its parent;
+        False if it waits for a slot of its own (it then computes its prompt's last tokens itself)."""
         raise NotImplementedError
 
     def _release(self, seq: Sequence) -> None:
@@ -142,7 +143,7 @@ class EngineBase:
             token_ids=prompt, num_prompt_tokens=len(prompt), sampling=p,
             priority=request.priority if self.use_priority else 0, arrival=next(self._arrivals),
             generator=self._choice_generator(p, 0), pending_forks=list(range(1, max(1, p.n))),
-            pending_prompt_logprobs=None if p.prompt_logprobs is None else [],
+            pending_prompt_logprobs=None if p.prompt_logprobs is None else [], turn=request.ordinal,
         )
         if p.grammar is not None:
             error = self._constrain(seq)
@@ -232,16 +233,17 @@ class EngineBase:
 
     # --- a step's results -----------------------------------------------------------------------------------
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The request's other choices, forked from its first one once its prompt is computed."""
+        """The request's other choices, forked from its first one once its prompt is computed. Returns those that
+        run at once (they sample their first token from their parent's logits, this step); the others wait."""
         if not parent.pending_forks:
             return []
         siblings = self.requests[(parent.client, parent.request_id)]
         children = []
         for index in parent.pending_forks:
             child = parent.fork(next(self._seq_ids), index, self._choice_generator(parent.sampling, index))
-            self._start_fork(parent, child)
             siblings.append(child)
-            children.append(child)
+            if self._start_fork(parent, child):
+                children.append(child)
         parent.pending_forks = []
         return children
 

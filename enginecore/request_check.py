@@ -22,6 +22,9 @@ def check_request(request: EngineRequest) -> None:
         raise BadRequest("request_id must be a string")
     _ints(request.prompt_token_ids, "prompt_token_ids")
     _int(request.priority, "priority")
+    _int(request.ordinal, "ordinal")
+    if request.ordinal < 0:  # it would put the request ahead of every other in the fair share
+        raise BadRequest("ordinal must not be negative")
     p = request.sampling
     for name in ("n", "max_tokens", "min_tokens"):
         _int(getattr(p, name), name)

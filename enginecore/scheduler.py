@@ -8,7 +8,16 @@ waiting queue to be recomputed later (prompt and generated tokens alike), so no 
 priority policy a waiting request also preempts a running one of a worse priority when there is no room for it
 (no sequence slot or no blocks), as vLLM's priority scheduling does.
 
-Order everywhere is (priority, arrival): with the fcfs policy every priority is 0, so it is arrival order.
+Order everywhere is Sequence.key: priority, then the fair share's turn, then arrival. The fair share keeps one
+request from holding every slot. The scheduler's clock counts the sequences that have started to run; a request
+takes its turn at the clock when it comes, and its k-th sequence (its choices, and the prompts of one API request:
+EngineRequest.ordinal) k turns later, as if it had come k sequences later. So the 32,768 sequences of a request of
+256 prompts with n=128 take turns with the requests that come after it instead of all running before them, and
+since the clock moves with every sequence started, its last ones are not put off for ever by requests that keep
+coming. Requests of one sequence keep their arrival order; with the fcfs policy every priority is 0.
+
+A request's other choices are forked when its prompt is computed and run beside it while there are slots; the rest
+wait for theirs like any sequence (--max-num-seqs holds for them too: the sampler and CUDA graphs are sized by it).
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by Sequence.key
         self._waiting: list[tuple[tuple, int, Sequence]] = []  # heap; finished entries are skipped lazily
         self.num_waiting = 0
+        self.clock = 0  # the fair share's clock: how many sequences have started to run
         # Keep a few blocks free for the running sequences' next tokens before admitting a new prompt,
         # so admissions do not cause a preemption on the very next step.
         self._watermark = max(1, pool.num_blocks // 100)
@@ -49,15 +59,33 @@ class Scheduler:
 
     # --- queue ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (seq.key, seq.seq_id, seq))
-        self.num_waiting += 1
+        """A new request's first sequence: its turn (its ordinal so far) counts from the clock."""
+        seq.turn += self.clock
+        self._queue(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A choice forked from a running sequence: it runs at once, sharing its parent's blocks."""
+        self._run(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """A choice forked when every slot is taken: it waits for one, holding no block (its prompt's blocks are
+        found in the prefix cache when it starts, and it computes the rest)."""
+        self.pool.free(seq)
+        self._queue(seq)
+
+    def full(self) -> bool:
+        return len(self.running) >= self.max_num_seqs
+
+    def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.running.sort(key=_key)
+        self.clock += 1
+
+    def _queue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.key, seq.seq_id, seq))
+        self.num_waiting += 1
 
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
@@ -128,7 +156,7 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            if len(self.running) >= self.max_num_seqs:
+            if self.full():
                 if not self._outranks_lowest_running(seq):
                     break
                 budget += self._preempt_lowest_running(scheduled)
@@ -144,9 +172,7 @@ class Scheduler:
                 continue
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.running.sort(key=_key)
+            self._run(seq)
             scheduled[seq] = n
             budget -= n
 
@@ -183,7 +209,7 @@ class Scheduler:
         self.pool.free(seq)
         seq.num_preemptions += 1
         log.debug("preempted %s (choice %d) after %d tokens", seq.request_id, seq.index, seq.num_tokens)
-        self.add(seq)
+        self._queue(seq)  # at its turn still: ahead of those that came after it
 
 
 # Finished entries the waiting heap may hold beyond as many as it has waiting ones, before it is compacted.

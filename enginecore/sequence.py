@@ -29,7 +29,7 @@ class Sequence:
     token_ids: list[int]  # prompt, then every token generated so far
     num_prompt_tokens: int
     sampling: SamplingParams
-    # Scheduling order: (priority, arrival); lower runs first and is preempted last.
+    # Scheduling order (key): priority, then turn + index, then arrival; lower runs first and is preempted last.
     priority: int
     arrival: int
     generator: torch.Generator | None = None  # per-choice seed: the same draws whatever the batch
@@ -54,14 +54,17 @@ class Sequence:
     # list the whole vocabulary (a list of a million ids once made every step of its engine take 2.4 s).
     stop_token_ids: frozenset[int] = frozenset()  # made from sampling's if not given (a fork shares its parent's)
     min_tokens_barred: object | None = None  # the ids barred until min_tokens, on the device (the sampler's)
+    # The request's place in the fair share of the engine's slots (enginecore.scheduler): the scheduler's clock when
+    # it came plus its prompt's ordinal in its API request. Its choice `index` takes its turn `index` later.
+    turn: int = 0
 
     def __post_init__(self):
         if not self.stop_token_ids and self.sampling.stop_token_ids:
             self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.priority, self.arrival, self.index)
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.priority, self.turn + self.index, self.arrival, self.index)
 
     @property
     def num_tokens(self) -> int:
@@ -98,5 +101,5 @@ class Sequence:
             num_registered_blocks=self.num_registered_blocks, num_cached_tokens=self.num_cached_tokens,
             num_prompt_logprobs=self.num_prompt_logprobs,
             grammar=None if self.grammar is None else self.grammar.fork(),
-            stop_token_ids=self.stop_token_ids, min_tokens_barred=self.min_tokens_barred,
+            stop_token_ids=self.stop_token_ids, min_tokens_barred=self.min_tokens_barred, turn=self.turn,
         )

@@ -116,8 +116,9 @@ class SimulatedEngine(EngineBase):
             del self.waiting[seq.seq_id]
             self._start(seq)
 
-    def _start_fork(self, parent: Sequence, child: Sequence) -> None:
+    def _start_fork(self, parent: Sequence, child: Sequence) -> bool:
         self._start(child)  # its place was counted when its parent was admitted
+        return True
 
     def _start(self, seq: Sequence) -> None:
         if not self.running:

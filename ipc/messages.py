@@ -55,6 +55,10 @@ class EngineRequest(CheckedRecord):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
+    # Where this prompt's first choice falls among the sequences of its API request (prompt i of a request with n
+    # choices: i * n). The engine shares its slots between requests by it (enginecore.scheduler): the k-th sequence
+    # of a request of 256 prompts with n=128 waits as if it had come k requests later, not ahead of all that come.
+    ordinal: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
