@@ -3,9 +3,14 @@
 its own request a 400, and the event loop goes on serving everyone else meanwhile.
 
 The process starts with the first grammar (a server that never sees one never has it) and again after one killed
-it. It takes one request at a time; one that runs past `timeout` seconds (--structured-output-check-timeout) is
+it; its start-up (a Python interpreter and llguidance, seconds on a busy machine) is not counted in any request's
+time. It takes one request at a time; one that runs past `timeout` seconds (--structured-output-check-timeout) is
 killed with its process, and refused. Verdicts are kept for the last CACHE_SIZE grammars, keyed by a digest (a
 grammar may be megabytes): a client that repeats a costly one pays once, and so does one that repeats a fatal one.
+
+Answers come in the order of the requests, so each exchange runs to its end even when its caller is cancelled (a
+gRPC client past its deadline): left half done, its answer was read by the next request, and every request after
+it took the answer of the one before, another client's grammar included.
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ CACHE_SIZE = 256
 # An answer is one line: a built grammar is about its request's size (at most --max-request-body-bytes) after
 # JSON escaping.
 _LINE_LIMIT = 1 << 30
+START_TIMEOUT = 120.0  # seconds the process may take to start and say it is ready
+
+
+class CheckerUnavailable(RuntimeError):
+    """The checker process would not start: the server's fault, not the grammar's (a 500, nothing kept)."""
 
 
 class GrammarChecker:
@@ -34,6 +44,7 @@ class GrammarChecker:
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()  # one request at a time: answers come in order
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> error, or None: it passed
+        self._exchanges: set[asyncio.Task] = set()  # running on after their callers were cancelled
 
     async def build(self, kind: str, value, any_whitespace: bool = True, max_choices: int | None = None) -> str:
         """The grammar of a constraint by its name (ipc.grammar.from_constraint); GrammarError if it has none."""
@@ -63,6 +74,17 @@ class GrammarChecker:
             if error is not None:
                 raise GrammarError(error)
             return {"ok": True}
+        task = asyncio.ensure_future(self._answer(line, digest, keep_answer))
+        self._exchanges.add(task)
+        task.add_done_callback(_forget_exchange(self._exchanges))
+        answer = await asyncio.shield(task)  # a cancelled caller leaves it to finish (see the module's docstring)
+        error = answer.get("error")
+        if error is not None:
+            raise GrammarError(error)
+        return answer
+
+    async def _answer(self, line: bytes, digest: bytes, keep_answer: bool) -> dict:
+        """The process's answer to `line`, its verdict kept (all of it, or only an error)."""
         async with self._lock:
             answer = await self._exchange(line)
         error = answer.get("error")
@@ -70,8 +92,6 @@ class GrammarChecker:
             self._verdicts[digest] = error
             if len(self._verdicts) > CACHE_SIZE:
                 self._verdicts.popitem(last=False)
-        if error is not None:
-            raise GrammarError(error)
         return answer
 
     async def _exchange(self, line: bytes) -> dict:
@@ -97,8 +117,27 @@ class GrammarChecker:
 
     async def _running(self) -> asyncio.subprocess.Process:
         if self._process is None or self._process.returncode is not None:
-            self._process = await asyncio.create_subprocess_exec(
+            process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "apiserver.grammar_checker_process", self._title,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT,
             )
+            assert process.stdout is not None
+            try:
+                ready = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT)
+            except asyncio.TimeoutError:
+                ready = b""
+            if json.loads(ready or b"{}").get("ready") is not True:
+                process.kill()
+                await process.wait()
+                log.error("the grammar checker did not start (exit code %s)", process.returncode)
+                raise CheckerUnavailable("the grammar checker did not start")
+            self._process = process
         return self._process
+
+
+def _forget_exchange(exchanges: set[asyncio.Task]):
+    def forget(task: asyncio.Task) -> None:
+        exchanges.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: a caller that left never will
+            log.debug("a grammar check failed", exc_info=task.exception())
+    return forget

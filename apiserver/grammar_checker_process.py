@@ -9,7 +9,8 @@ A client's grammar can do both (measured with llguidance 1.9 on a 2-core AMD EPY
 In the API server's event loop the first took the server down with every stream on it, and six such requests in a
 minute took the whole group down (--max-restarts); the second stalls every client of that server.
 
-Requests come one JSON object a line on stdin, answers go one a line on stdout, in order:
+It first writes {"ready": true} (its imports done). Then requests come one JSON object a line on stdin, answers go
+one a line on stdout, in order:
   {"op": "build", "args": [kind, value, any_whitespace, max_choices]} -> {"grammar": text} (ipc.grammar.from_constraint)
   {"op": "check", "args": [grammar]}                                  -> {"ok": true}
 either may answer {"error": reason} instead. stdin's end (the API server is gone) ends the process.
@@ -45,6 +46,8 @@ def answer(request: dict) -> dict:
 
 
 def serve(stdin, stdout) -> None:
+    stdout.write(b'{"ready": true}\n')
+    stdout.flush()
     for line in stdin:
         stdout.write(json.dumps(answer(json.loads(line))).encode() + b"\n")
         stdout.flush()

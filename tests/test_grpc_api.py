@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from tests.grpc_support import SERVICE, GrpcSupervise, error_of, generate_request, health_status
-from tests.hostile_grammars import ref_chain, rule_chain
+from tests.hostile_grammars import gbnf_chain, ref_chain, rule_chain
 from tests.supervise_process import title_of
 
 SENTENCE_START = "Paris is the capital of France."
@@ -97,6 +97,19 @@ def test_valid_constraints_are_taken(stub):
                        dict(choice=pb.ChoiceConstraint(choices=["yes", "no"])), dict(grammar='start: "a"+')):
         (response,) = stub.Generate(generate_request(PROMPT, max_tokens=2, **constraint))
         assert response.complete.finish_reason == "length", constraint
+
+
+def test_a_call_cancelled_in_its_grammar_check_leaves_the_next_calls_their_own_answers(stub):
+    """A client past its deadline while its grammar is built: the checker's answer to it was read by the next call,
+    which took another client's grammar (or failed INTERNAL), and so on for every call after it."""
+    for rules in (700, 701):  # GBNF converted in Python: over a second each, well past the 0.3 s deadline
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=2, grammar=gbnf_chain(rules)),
+                                               timeout=0.3))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, json_schema='{"type": 3}')))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "json_schema" in error.details(), error.details()
+        (response,) = stub.Generate(generate_request(PROMPT, max_tokens=2, regex="[0-9]+"))
+        assert response.complete.finish_reason == "length"
 
 
 def test_eos_stop_token_and_prompt_only(stub, tokenizer):
