@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class _Launched:
     """A step whose forward pass and sampling are queued on the device."""
 
-    entries: list[tuple[Sequence, int]]  # the scheduled batch: (sequence, tokens computed)
+    entries: list[tuple[Sequence, int]]  # the scheduled batch, and choices forked in it: (sequence, tokens computed)
     seqs: list[Sequence]  # one per sampled row (a forked choice shares its parent's row)
     positions: list[int | None]  # where each row's token goes in its token_ids; None: no token (max_tokens 0)
     sampled: SampledTokens | SampleResult
@@ -247,14 +247,20 @@ class EngineCore(EngineBase):
             logits = self._keep_prompt_logprobs(logits, inputs)
 
         seqs = inputs.sample_seqs
+        entries = batch.entries
         if any(seq.pending_forks for seq in seqs):  # a prompt just computed forks its other choices
             seqs, rows = [], []
+            entries = list(entries)
+            computed_now = dict(batch.entries)
             for row, seq in enumerate(inputs.sample_seqs):
                 seqs.append(seq)
                 rows.append(row)
                 for child in self._fork(seq):
                     seqs.append(child)
                     rows.append(row)
+                    # Forked before this step's tokens are counted (_account): counted with its parent's, or it
+                    # would compute its whole prompt again next step, into blocks of its own (n=128: 127 times).
+                    entries.append((child, computed_now[seq]))
             if len(rows) != len(inputs.sample_seqs):
                 logits = logits[to_device(rows, logits.device)]
         allowed = self.structured.mask(seqs)
@@ -278,7 +284,7 @@ class EngineCore(EngineBase):
             token_ids.append(-1 - row)  # a placeholder until the token is on the host
         # Rows sampled one by one have their tokens on the host already, not where the next step would read them.
         needs_host_tokens = needs_host_tokens or isinstance(sampled, SampleResult)
-        return _Launched(batch.entries, seqs, positions, sampled, needs_host_tokens)
+        return _Launched(entries, seqs, positions, sampled, needs_host_tokens)
 
     def _account(self, launched: _Launched) -> None:
         """The step's tokens are in the cache: count them, and offer the blocks they filled to the prefix cache."""

@@ -31,20 +31,23 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine, prompts):
 
 
 def test_n_choices_differ_and_share_the_prompt(engine, prompts):
-    prompt = prompts[4]  # 228 tokens: 14 full blocks
+    prompt = prompts[4][::-1]  # 228 tokens (14 full blocks) no other test sends: none of it is in the prefix cache
+    prompt_tokens_before = engine.step_counts.prompt_tokens
     engine.add_request(_sampled("n", prompt, n=4, temperature=1.0, max_tokens=10, ignore_eos=True))
     outputs = {}
-    used_after_prefill = None
+    most_used = 0
     while engine.has_work():
         for _, out in engine.step():
             outputs.setdefault(out.index, []).extend(out.new_token_ids)
-        if used_after_prefill is None and outputs:
-            used_after_prefill = engine.pool.num_blocks - engine.pool.num_free
+        most_used = max(most_used, engine.pool.num_blocks - engine.pool.num_free)
     assert sorted(outputs) == [0, 1, 2, 3]
     assert all(len(t) == 10 for t in outputs.values())
     assert len({tuple(t) for t in outputs.values()}) > 1
     prompt_blocks = -(-len(prompt) // engine.block_size)
-    assert used_after_prefill < 2 * prompt_blocks  # four choices, the prompt's blocks held once
+    # Four choices, the prompt's blocks held once and computed once, to the end: the forked choices had computed the
+    # whole prompt again in the step after their fork, each into blocks of its own.
+    assert most_used < 2 * prompt_blocks
+    assert engine.step_counts.prompt_tokens - prompt_tokens_before == len(prompt)
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
