@@ -140,3 +140,27 @@ def test_an_api_request_of_many_choices_shares_the_engine(start_supervise):
     # Under first come first served the chat waited for all 64 sequences (it ended with the big request, or after).
     assert small_done < 0.6 * big_seconds, \
         f"the chat was answered {small_done:.2f} s in, the big request {big_seconds:.2f} s in: it waited for all of it"
+
+
+def test_choices_aborted_while_they_wait_for_a_slot_end_and_free_everything():
+    from ipc.messages import FinishReason
+
+    engine = _engine(max_num_seqs=2)
+    assert engine.add_request(_request("r", n=8, max_tokens=6, temperature=1.0, seed=3)) == []
+    ends: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    for step in range(1000):
+        if not engine.has_work():
+            break
+        outputs = [out for _, out in engine.step()]
+        if step == 2:  # choices 0 and 1 run, 2-7 wait for their slots
+            assert engine.scheduler.num_waiting == 6
+            outputs += engine.abort(["r"], None, [5, 6])
+        for out in outputs:
+            tokens[out.index] = tokens.get(out.index, 0) + len(out.new_token_ids)
+            if out.finish_reason is not None:
+                ends[out.index] = out.finish_reason
+    assert ends == {i: FinishReason.ABORT if i in (5, 6) else FinishReason.LENGTH for i in range(8)}
+    assert [tokens[i] for i in range(8)] == [6, 6, 6, 6, 6, 0, 0, 6]
+    assert engine.scheduler.num_waiting == 0 and not engine.scheduler.running and not engine.requests
+    assert engine.pool.num_free == engine.pool.num_blocks
