@@ -119,7 +119,8 @@ def _positive(click_context, param, value):
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
               help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--max-num-seqs", default=_DEFAULTS.max_num_seqs, show_default=True, type=click.IntRange(1),
-              help="Most sequences in one engine step.")
+              help="Most sequences in one engine step; a request's n choices count too (those past a free slot "
+                   "wait for one).")
 @click.option("--max-num-batched-tokens", default=_DEFAULTS.max_num_batched_tokens, show_default=True,
               type=click.IntRange(1), help="Token budget of one engine step (long prompts go in chunks).")
 @click.option("--block-size", default=_DEFAULTS.block_size, show_default=True, type=click.IntRange(1),
@@ -131,7 +132,10 @@ def _positive(click_context, param, value):
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of repeated prompt prefixes.")
 @click.option("--scheduling-policy", default=_DEFAULTS.scheduling_policy, show_default=True,
-              type=click.Choice(["fcfs", "priority"]), help="Order of waiting requests.")
+              type=click.Choice(["fcfs", "priority"]),
+              help="Order of waiting requests: arrival, or the request's priority first. Either way a request's "
+                   "k-th sequence (choice, or prompt of one request) waits as if it came k sequences later, so one "
+                   "request cannot hold every slot.")
 @click.option("--enforce-eager", is_flag=True, help="CUDA: no CUDA graphs.")
 @click.option("--cuda-graph-max-tokens", default=_DEFAULTS.cuda_graph_max_tokens, show_default=True,
               type=click.IntRange(0),
