@@ -52,3 +52,14 @@ def test_a_grammar_that_is_not_text_fails_its_request_alone(engine, prompts):
     (first, second) = engine.add_request(bad)
     assert first.finish_reason == second.finish_reason == "error" and "grammar" in first.error
     assert not engine.requests
+
+
+@pytest.mark.parametrize("ordinal,error", [(-1, "must not be negative"), ("3", "must be an integer"),
+                                           (True, "must be an integer")])
+def test_an_ordinal_the_fair_share_cannot_take_fails_its_request_alone(engine, prompts, ordinal, error):
+    """A negative ordinal would put its request ahead of every other in the fair share (enginecore.scheduler)."""
+    bad = EngineRequest("bad", prompts[1], SamplingParams(max_tokens=4), ordinal=ordinal)
+    (out,) = engine.add_request(bad)
+    assert out.finish_reason == "error" and error in out.error and not engine.requests
+    far = EngineRequest("far", prompts[1], SamplingParams(max_tokens=2, temperature=0.0), ordinal=2**62)
+    assert _tokens(run_outputs(engine, [far]), ("far", 0)) and not engine.requests  # a far turn is still served
