@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import subprocess
 import sys
 from collections import OrderedDict
 
@@ -41,7 +42,7 @@ class GrammarChecker:
         """`title`: the process's title; `timeout`: seconds one request may take."""
         self._title = title
         self._timeout = timeout
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: _Process | None = None
         self._lock = asyncio.Lock()  # one request at a time: answers come in order
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> error, or None: it passed
         self._exchanges: set[asyncio.Task] = set()  # running on after their callers were cancelled
@@ -56,9 +57,8 @@ class GrammarChecker:
         await self._ask("check", [grammar], keep_answer=True)
 
     async def close(self) -> None:
-        if self._process is not None and self._process.returncode is None:
-            self._process.kill()
-            await self._process.wait()
+        if self._process is not None:
+            await self._process.end(kill=True)
         self._process = None
 
     async def _ask(self, op: str, args: list, keep_answer: bool) -> dict:
@@ -97,7 +97,6 @@ class GrammarChecker:
     async def _exchange(self, line: bytes) -> dict:
         """The process's answer to `line`; an error for a request that killed it or ran past the timeout."""
         process = await self._running()
-        assert process.stdin is not None and process.stdout is not None
         try:
             process.stdin.write(line)
             await asyncio.wait_for(process.stdin.drain(), self._timeout)
@@ -108,31 +107,69 @@ class GrammarChecker:
         except (BrokenPipeError, ConnectionResetError):
             reply = b""
         if not reply:
-            code = await process.wait()
+            code = await process.end(kill=False)
             self._process = None
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            log.warning("the grammar checker died (%s) on a request's grammar, which is refused", how)
+            log.warning("the grammar checker died (%s) on a request's grammar, which is refused", _exit_status(code))
             return {"error": "it crashed the grammar compiler (nested or chained too deeply?)"}
         return json.loads(reply)
 
-    async def _running(self) -> asyncio.subprocess.Process:
-        if self._process is None or self._process.returncode is not None:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "apiserver.grammar_checker_process", self._title,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT,
-            )
-            assert process.stdout is not None
+    async def _running(self) -> _Process:
+        if self._process is None or not self._process.running:
+            process = await _Process.start(self._title)
             try:
                 ready = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT)
             except asyncio.TimeoutError:
                 ready = b""
             if json.loads(ready or b"{}").get("ready") is not True:
-                process.kill()
-                await process.wait()
-                log.error("the grammar checker did not start (exit code %s)", process.returncode)
+                code = await process.end(kill=True)
+                log.error("the grammar checker did not start (%s)", _exit_status(code))
                 raise CheckerUnavailable("the grammar checker did not start")
             self._process = process
         return self._process
+
+
+class _Process:
+    """The checker's process, its stdin and stdout as asyncio streams.
+
+    Started by `subprocess`, not by asyncio's create_subprocess_exec: under uvloop that forks the API server, its
+    threads' state and all, and runs Python's after-fork code in the copy before exec. In a gRPC API server (gRPC's
+    poller threads at work) the copy crashed before it could run the checker, a SIGSEGV or a SIGABRT in gRPC's
+    epoll poller, in about 1 start in 100 under load, and that request failed INTERNAL. `subprocess` starts the
+    process with vfork and exec, running nothing of ours or of gRPC's in between."""
+
+    def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
+                 stdout_transport: asyncio.ReadTransport):
+        self._popen = popen
+        self.stdin = stdin
+        self.stdout = stdout
+        self._stdout_transport = stdout_transport
+
+    @classmethod
+    async def start(cls, title: str) -> _Process:
+        popen = subprocess.Popen([sys.executable, "-m", "apiserver.grammar_checker_process", title],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        loop = asyncio.get_running_loop()
+        stdout = asyncio.StreamReader(limit=_LINE_LIMIT)
+        stdout_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
+        stdin_transport, stdin_protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+        stdin = asyncio.StreamWriter(stdin_transport, stdin_protocol, None, loop)
+        return cls(popen, stdin, stdout, stdout_transport)
+
+    @property
+    def running(self) -> bool:
+        return self._popen.poll() is None
+
+    async def end(self, kill: bool) -> int:
+        """Its exit code (minus the signal that ended it), once it has exited; `kill`: kill it first."""
+        if kill:
+            self._popen.kill()  # nothing when it is already gone
+        self.stdin.close()
+        self._stdout_transport.close()
+        return await asyncio.to_thread(self._popen.wait)
+
+
+def _exit_status(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _forget_exchange(exchanges: set[asyncio.Task]):

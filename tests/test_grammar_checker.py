@@ -2,6 +2,9 @@
 event loop: the slow one is refused at --structured-output-check-timeout while the server answers everyone else,
 the one that crashes the checker is refused (once by the crash, then by the verdict kept), and the checker comes
 back for the next grammar."""
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -55,3 +58,36 @@ def test_a_slow_grammar_is_refused_at_the_timeout_while_the_server_serves_on(sta
     assert server.log().count("the grammar checker died") == 1, server.log()
     checkers = [p for p in server.children() if title_of(p) == "supervise: GrammarChecker_0"]
     assert len(checkers) == 1 and checkers[0].status() != psutil.STATUS_ZOMBIE
+
+
+# Run in a fresh interpreter: an after-fork hook cannot be unregistered, and this one must see only the checker.
+_FORK_WITNESS = r"""
+import asyncio, os, sys
+import uvloop
+from apiserver.grammar_checker import GrammarChecker
+
+os.register_at_fork(after_in_child=lambda: os.write(2, b"FORKED-COPY-RAN-PYTHON\n"))
+
+
+async def main():
+    checker = GrammarChecker("supervise: GrammarChecker_test", timeout=30)
+    grammar = await checker.build("regex", "[a-z]+")
+    await checker.close()  # killed, and started again for the next
+    await checker.check(grammar)
+    await checker.close()
+    print("BUILT" if grammar else "NOTHING")
+
+uvloop.run(main())
+"""
+
+
+def test_the_checker_process_is_started_without_running_python_in_a_fork_of_the_server():
+    """uvloop's subprocess start forks the API server and runs Python's after-fork code in the copy before exec; in
+    a gRPC API server with gRPC's poller threads at work the copy crashed there (SIGSEGV, or SIGABRT in gRPC's
+    epoll poller) in 3-5 starts of 300 (bench/checker_start.py), and that call failed INTERNAL through the gateway.
+    The checker must be started with nothing run between fork and exec: an after-fork hook must not run."""
+    run = subprocess.run([sys.executable, "-c", _FORK_WITNESS], capture_output=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.decode().strip() == "BUILT", run.stdout
+    assert b"FORKED-COPY-RAN-PYTHON" not in run.stderr, run.stderr.decode()[-2000:]
