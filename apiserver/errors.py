@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from apiserver.engine_client import EngineDeadError, EngineRequestError, GrammarFailed, StreamBacklogFull, UnknownRank
+from apiserver.grammar_checker import CheckerUnavailable
 from ipc import grammar
 from ipc.messages import error_summary
 
@@ -108,6 +109,10 @@ _TABLE = {
     GrammarFailed: lambda exc: InvalidRequest(
         f"Invalid `{exc.param or 'structured_outputs'}`: {grammar.short_reason(str(exc))}", param=exc.param,
         code="invalid_structured_output"),
+    # The system would not start the grammar checker (out of file descriptors, say): for now, not for good.
+    CheckerUnavailable: lambda exc: ApiError(
+        f"Structured outputs are not available on this server right now: {exc}; try again.", status=503,
+        type="service_unavailable_error", headers={"Retry-After": RETRY_AFTER_SECONDS}),
     EngineRequestError: lambda exc: ApiError(
         f"The engine failed this request: {error_summary(str(exc))}", status=500, type="internal_server_error"),
     # The client's doing (it does not read), told in the stream's error event: a 4xx, not logged as a failure.

@@ -34,7 +34,7 @@ START_TIMEOUT = 120.0  # seconds the process may take to start and say it is rea
 
 
 class CheckerUnavailable(RuntimeError):
-    """The checker process would not start: the server's fault, not the grammar's (a 500, nothing kept)."""
+    """The checker process would not start: not the grammar's fault, and nothing kept (a 503: try again)."""
 
 
 class GrammarChecker:
@@ -146,8 +146,13 @@ class _Process:
 
     @classmethod
     async def start(cls, title: str) -> _Process:
-        popen = subprocess.Popen([sys.executable, "-m", "apiserver.grammar_checker_process", title],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        """CheckerUnavailable when the system refuses it (out of file descriptors, of memory, of processes)."""
+        try:
+            popen = subprocess.Popen([sys.executable, "-m", "apiserver.grammar_checker_process", title],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as exc:
+            log.error("the grammar checker could not be started: %s", exc)
+            raise CheckerUnavailable(f"the grammar checker could not be started ({exc.strerror or exc})") from None
         loop = asyncio.get_running_loop()
         stdout = asyncio.StreamReader(limit=_LINE_LIMIT)
         stdout_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)

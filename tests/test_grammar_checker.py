@@ -3,6 +3,7 @@ event loop: the slow one is refused at --structured-output-check-timeout while t
 the one that crashes the checker is refused (once by the crash, then by the verdict kept), and the checker comes
 back for the next grammar."""
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -91,3 +92,31 @@ def test_the_checker_process_is_started_without_running_python_in_a_fork_of_the_
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     assert run.stdout.decode().strip() == "BUILT", run.stdout
     assert b"FORKED-COPY-RAN-PYTHON" not in run.stderr, run.stderr.decode()[-2000:]
+
+
+def test_out_of_file_descriptors_a_grammar_is_503_to_retry_and_served_once_they_are_back(start_supervise):
+    """The checker's process needs descriptors for its pipes: a server out of them (a client holding connections
+    open) answered a grammar with a bare 500 and a traceback. Now: 503 saying why, Retry-After, and the next
+    grammar once descriptors are free is served, with its checker started then."""
+    server = start_supervise("--model", "sim:1")
+    api = server.child_titled("ApiServer_0")
+    limits = api.rlimit(psutil.RLIMIT_NOFILE)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert _chat(http).status_code == 200  # this connection is open before the descriptors run out
+        api.rlimit(psutil.RLIMIT_NOFILE, (api.num_fds() + 4, limits[1]))
+        hogs = [socket.create_connection(server.address) for _ in range(20)]
+        try:
+            time.sleep(0.5)  # accepted until none is left
+            response = _chat(http, structured_outputs={"regex": "[a-z]+"})
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert error["type"] == "service_unavailable_error", error
+            assert "grammar checker could not be started" in error["message"], error
+        finally:
+            for hog in hogs:
+                hog.close()
+            api.rlimit(psutil.RLIMIT_NOFILE, limits)
+        response = _chat(http, structured_outputs={"regex": "[a-z]+"})
+        assert response.status_code == 200, response.text
+    assert "Traceback" not in server.log(), server.log()[-3000:]
