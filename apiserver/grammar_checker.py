@@ -31,6 +31,7 @@ CACHE_SIZE = 256
 # JSON escaping.
 _LINE_LIMIT = 1 << 30
 START_TIMEOUT = 120.0  # seconds the process may take to start and say it is ready
+_EXIT_WAIT_S = 5.0  # seconds a process that closed its stdout may take to exit before it is killed
 
 
 class CheckerUnavailable(RuntimeError):
@@ -166,10 +167,14 @@ class _Process:
 
     async def end(self, kill: bool) -> int:
         """Its exit code (minus the signal that ended it), once it has exited; `kill`: kill it first."""
-        if kill:
-            self._popen.kill()  # nothing when it is already gone
         self.stdin.close()
         self._stdout_transport.close()
+        if not kill:
+            try:  # it closed its stdout: it is exiting, or stuck, which must not hold the next grammar for ever
+                return await asyncio.to_thread(self._popen.wait, _EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._popen.kill()  # nothing when it is already gone
         return await asyncio.to_thread(self._popen.wait)
 
 
