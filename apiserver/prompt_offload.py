@@ -18,12 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
+from apiserver.chat_messages import message_dicts
+from apiserver.protocol import ChatMessage
 from apiserver.renderer import Renderer
 
 OFFLOAD_MIN_CHARS = 16384
 # Decoding costs ~0.25 us per token id (4 million, an 8 MB /detokenize: 1 s of the loop): from this many ids on it
 # runs in the worker thread, by tokenizers' decode_batch, which lets go of the GIL (its decode does not).
 OFFLOAD_MIN_IDS = 4096
+# What a chat template writes around each message, at the least (`<|im_start|>user\n`...`<|im_end|>\n`), and
+# about what its loop costs per message in characters tokenized: 512 messages of any length go to the thread.
+_MESSAGE_CHARS = 32
 # Few threads: huge prompts wait for each other here rather than each taking a core and its memory.
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
@@ -50,28 +55,36 @@ async def decode(renderer: Renderer, token_ids: list[int], skip_special_tokens: 
     return await _in_thread(renderer.decode, token_ids, skip_special_tokens, True)
 
 
-def _chat_ids(renderer: Renderer, messages: list[dict], options: tuple, add_special_tokens: bool) -> list[int]:
-    return _ids(renderer, [renderer.chat_text(messages, *options)], add_special_tokens)[0]
+def _chat_ids(renderer: Renderer, messages: list[ChatMessage], options: tuple, add_special_tokens: bool) -> list[int]:
+    return _dict_ids(renderer, message_dicts(messages), options, add_special_tokens)
 
 
-async def render_chat(renderer: Renderer, messages: list[dict], add_generation_prompt: bool = True,
+async def render_chat(renderer: Renderer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                       continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                       add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids for `messages`, as `renderer.render_chat` gives them (`add_special_tokens`:
     as /tokenize may ask, `renderer.encode` of the rendered text)."""
     options = (add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
-    if _template_input_size(messages, tools, chat_template_kwargs) < OFFLOAD_MIN_CHARS:
+    if len(messages) * _MESSAGE_CHARS >= OFFLOAD_MIN_CHARS:  # many messages: even making their dicts is work
+        return await _in_thread(_chat_ids, renderer, messages, options, add_special_tokens)
+    dicts = message_dicts(messages)
+    if _template_input_size(dicts, tools, chat_template_kwargs) < OFFLOAD_MIN_CHARS:
         if add_special_tokens:
-            return renderer.encode(renderer.chat_text(messages, *options), True)
-        return renderer.render_chat(messages, *options)
-    return await _in_thread(_chat_ids, renderer, messages, options, add_special_tokens)
+            return renderer.encode(renderer.chat_text(dicts, *options), True)
+        return renderer.render_chat(dicts, *options)
+    return await _in_thread(_dict_ids, renderer, dicts, options, add_special_tokens)
+
+
+def _dict_ids(renderer: Renderer, dicts: list[dict], options: tuple, add_special_tokens: bool) -> list[int]:
+    return _ids(renderer, [renderer.chat_text(dicts, *options)], add_special_tokens)[0]
 
 
 def _template_input_size(messages: list[dict], tools: list[dict] | None, kwargs: dict | None) -> int:
     """About how much text the chat template gets: the messages' contents, and what else it renders, tools and
-    tool calls (a request of short messages and 7.7 MB of tools held the loop 1.1 s inline). Their JSON is
-    measured only where they are given: a plain chat pays a sum of lengths."""
-    size = sum(len(m["content"]) for m in messages)
+    tool calls (a request of short messages and 7.7 MB of tools held the loop 1.1 s inline), and what the template
+    writes around each message (250,000 empty messages held it 4 s inline: the template's loop, then 1.4 million
+    ids of role markers). Their JSON is measured only where they are given: a plain chat pays a sum of lengths."""
+    size = sum(len(m["content"]) for m in messages) + _MESSAGE_CHARS * len(messages)
     extras = [m for m in messages if len(m) > 2] if size < OFFLOAD_MIN_CHARS else []  # role and content alone: none
     if tools or kwargs or extras:
         try:

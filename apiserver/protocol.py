@@ -13,7 +13,6 @@ from typing import Annotated, Literal, TypeVar, Union
 
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, ValidationInfo, field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -143,12 +142,7 @@ class ChatMessage(_Strict):
     annotations: None = None
     audio: None = None
     function_call: None = None
-
-    @model_validator(mode="after")
-    def _tool_answer_names_its_call(self):
-        if self.role == "tool" and self.tool_call_id is None:
-            raise PydanticCustomError("tool_call_id_missing", "a tool message needs `tool_call_id`")
-        return self
+    # A tool message must name its call (`tool_call_id`): checked by apiserver.chat_messages, which says why there.
 
 
 class _SamplingFields(_Strict):

@@ -7,7 +7,6 @@ sends each choice's `role` with its first generated text, not before the prompt 
 first chunk then times the first token, as with vLLM."""
 from __future__ import annotations
 
-import json
 import time
 
 import orjson
@@ -19,7 +18,7 @@ from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter
 from apiserver.prompt_offload import render_chat
-from apiserver.protocol import ChatCompletionRequest, ChatMessage
+from apiserver.protocol import ChatCompletionRequest
 from apiserver.reasoning import START, ReasoningParser
 from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
@@ -30,35 +29,6 @@ from apiserver.validation import parse_request_body
 
 # How much of the prompt's end to decode to see whether the chat template opened the reasoning.
 _PROMPT_TAIL_TOKENS = 4
-
-
-def message_dict(message: ChatMessage) -> dict:
-    """A message as chat templates expect it: a string content, `developer` as `system`, tool calls with their
-    arguments as objects (as vLLM hands them to templates, which write them with `tojson`)."""
-    content = message.content
-    if content is None:
-        content = ""
-    elif not isinstance(content, str):
-        content = "\n".join(part.text for part in content)
-    role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": content}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_calls:
-        out["tool_calls"] = [_call_dict(call) for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        out["reasoning_content"] = message.reasoning_content
-    return out
-
-
-def _call_dict(call) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = call.function.arguments
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatServing(GenerationServing):
@@ -84,7 +54,7 @@ class ChatServing(GenerationServing):
                                  "`structured_outputs`.", param="tool_choice")
         prompt = await render_chat(
             ctx.renderer,
-            [message_dict(m) for m in req.messages],
+            req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,

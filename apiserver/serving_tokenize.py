@@ -10,7 +10,6 @@ from apiserver.hf_tokenizer import DEFAULT_TEMPLATE
 from apiserver.prompt_offload import decode, encode, render_chat
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
-from apiserver.serving_chat import message_dict
 from apiserver.validation import parse_body, parse_request_body, parsing
 
 
@@ -39,7 +38,7 @@ class TokenizeServing(GenerationServing):
         if isinstance(req, TokenizeChatRequest):
             self.check_model(req.model)
             tokens = await render_chat(
-                renderer, [message_dict(m) for m in req.messages], req.add_generation_prompt,
+                renderer, req.messages, req.add_generation_prompt,
                 req.continue_final_message, req.chat_template_kwargs, req.add_special_tokens,
             )
         else:
