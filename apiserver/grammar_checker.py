@@ -135,7 +135,7 @@ class _Process:
     Started by `subprocess`, not by asyncio's create_subprocess_exec: under uvloop that forks the API server, its
     threads' state and all, and runs Python's after-fork code in the copy before exec. In a gRPC API server (gRPC's
     poller threads at work) the copy crashed before it could run the checker, a SIGSEGV or a SIGABRT in gRPC's
-    epoll poller, in about 1 start in 100 under load, and that request failed INTERNAL. `subprocess` starts the
+    epoll poller, in 6 starts of 300 under load (bench/checker_start.py), and that request failed INTERNAL. `subprocess` starts the
     process with vfork and exec, running nothing of ours or of gRPC's in between."""
 
     def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
@@ -166,7 +166,8 @@ class _Process:
         return self._popen.poll() is None
 
     async def end(self, kill: bool) -> int:
-        """Its exit code (minus the signal that ended it), once it has exited; `kill`: kill it first."""
+        """Its exit code (minus the signal that ended it), once it has exited: at once with `kill`, else after at
+        most _EXIT_WAIT_S of its own."""
         self.stdin.close()
         self._stdout_transport.close()
         if not kill:
