@@ -135,8 +135,8 @@ class _Process:
     Started by `subprocess`, not by asyncio's create_subprocess_exec: under uvloop that forks the API server, its
     threads' state and all, and runs Python's after-fork code in the copy before exec. In a gRPC API server (gRPC's
     poller threads at work) the copy crashed before it could run the checker, a SIGSEGV or a SIGABRT in gRPC's
-    epoll poller, in 6 starts of 300 under load (bench/checker_start.py), and that request failed INTERNAL. `subprocess` starts the
-    process with vfork and exec, running nothing of ours or of gRPC's in between."""
+    epoll poller, in 6 starts of 300 under load (bench/checker_start.py), and that request failed INTERNAL.
+    `subprocess` starts the process with vfork and exec, running nothing of ours or of gRPC's in between."""
 
     def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
                  stdout_transport: asyncio.ReadTransport):
