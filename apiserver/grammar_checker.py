@@ -156,8 +156,15 @@ class _Process:
             raise CheckerUnavailable(f"the grammar checker could not be started ({exc.strerror or exc})") from None
         loop = asyncio.get_running_loop()
         stdout = asyncio.StreamReader(limit=_LINE_LIMIT)
-        stdout_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
-        stdin_transport, stdin_protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+        try:
+            stdout_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout),
+                                                               popen.stdout)
+            stdin_transport, stdin_protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                                            popen.stdin)
+        except BaseException:  # no checker is left running that nothing could reach
+            popen.kill()
+            await asyncio.to_thread(popen.wait)
+            raise
         stdin = asyncio.StreamWriter(stdin_transport, stdin_protocol, None, loop)
         return cls(popen, stdin, stdout, stdout_transport)
 
