@@ -16,7 +16,8 @@ import asyncio
 import logging
 import time
 
-from apiserver.engine_client import EngineClient, EngineDeadError
+from apiserver.engine_client import EngineClient
+from apiserver.engine_errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from apiserver.engine_client import EngineDeadError, EngineRequestError, GrammarFailed, StreamBacklogFull, UnknownRank
+from apiserver.engine_errors import EngineDeadError, EngineRequestError, GrammarFailed, StreamBacklogFull, UnknownRank
 from apiserver.grammar_checker import CheckerUnavailable
 from ipc import grammar
 from ipc.messages import error_summary

@@ -14,7 +14,9 @@ import time
 from typing import NamedTuple
 
 from apiserver.detokenizer import IncrementalDetokenizer
-from apiserver.engine_client import EngineClient, RequestAborted, RequestStream, request_error
+from apiserver.engine_client import EngineClient
+from apiserver.engine_errors import RequestAborted, request_error
+from apiserver.request_stream import RequestStream
 from ipc.messages import FinishReason
 from ipc.sampling import SamplingParams
 

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from apiserver.context import ServerContext
-from apiserver.engine_client import EngineDeadError
+from apiserver.engine_errors import EngineDeadError
 from apiserver.errors import as_api_error, error_response
 from apiserver.middleware import api_key_of
 from apiserver.openapi import DOCS_PAGE, openapi_schema, package_version

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from apiserver.context import ServerContext
-from apiserver.engine_client import EngineDeadError, RequestAborted, UnknownRank
+from apiserver.engine_errors import EngineDeadError, RequestAborted, UnknownRank
 from apiserver.errors import CLIENT_CLOSED_REQUEST, REQUEST_ID_SCOPE_KEY, InvalidRequest, ModelNotFound
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun

@@ -21,7 +21,7 @@ from typing import AsyncIterator, Protocol
 import orjson
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
-from apiserver.engine_client import RequestAborted
+from apiserver.engine_errors import RequestAborted
 from apiserver.errors import as_api_error, error_body, is_expected, log_server_error
 from apiserver.generation import Delta, Generation
 from apiserver.generation_run import GenerationRun

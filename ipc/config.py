@@ -77,7 +77,7 @@ class ServeConfig:
     # Compiled structured-output grammars each engine keeps (enginecore.grammar_compiler says what they weigh).
     grammar_cache_size: int = 64
     # A streamed response's outputs that wait in the API server for a client that reads slower than the engine
-    # writes (or not at all), in MB as estimated (apiserver.engine_client.output_bytes); past it the request is
+    # writes (or not at all), in MB as estimated (apiserver.request_stream.output_bytes); past it the request is
     # aborted. 0: no limit.
     max_stream_backlog_mb: int = 64
     # The most logprob entries (a token's, and each of its top logprobs) a response that is not streamed may hold

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvloop
 
-from apiserver.engine_client import RequestStream
+from apiserver.request_stream import RequestStream
 from tests.supervise_process import Supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,10 +14,11 @@ from typing import AsyncIterator
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from apiserver.context import ServerContext
-from apiserver.engine_client import RequestAborted, RequestStream
+from apiserver.engine_errors import RequestAborted
 from apiserver.errors import Overloaded
 from apiserver.grpc.request import GenerateInput
 from apiserver.grpc.responses import ResponseBuilder
+from apiserver.request_stream import RequestStream
 from ipc.messages import FinishReason
 
 # Engine request ids must be unique in the engine even when clients reuse a request id: a per-process random

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from apiserver.engine_client import request_error
+from apiserver.engine_errors import request_error
 from ipc.messages import FinishReason, RequestOutput
 
 

@@ -20,7 +20,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
 from apiserver.context import ServerContext
-from apiserver.engine_client import EngineDeadError
+from apiserver.engine_errors import EngineDeadError
 from apiserver.grpc.generate import RunningRequests, generate
 from apiserver.grpc.info import TokenizerBundle, loads, model_info, server_info
 from apiserver.grpc.request import constrain, parse_generate

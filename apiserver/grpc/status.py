@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from apiserver.engine_client import StreamBacklogFull
+from apiserver.engine_errors import StreamBacklogFull
 from apiserver.errors import Overloaded, as_api_error, is_expected
 
 Code = grpc.StatusCode
