@@ -34,6 +34,10 @@ BUDGET_S=${BUDGET_S:-$([ "$CPU" = 1 ] && echo 1200 || echo 470)}
 SCALE=$([ "$CPU" = 1 ] && echo 3 || echo 1)
 SITE=${SITE:-/tmp/site}
 MODEL_DIR=${MODEL_DIR:-.device/smollm2}  # config and tokenizer; the weights are --load-format dummy's
+if [ ! -f "$MODEL_DIR/config.json" ]; then  # every step but the 1B and 8B shapes needs it: stop before the budget runs
+  echo "device.sh: no $MODEL_DIR/config.json: run 'bash bench/device_prepare.sh' first (and carry .whl and .device)" >&2
+  exit 2
+fi
 STEPS=$(mktemp /tmp/device-steps.XXXXXX)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/supervise-cache}
