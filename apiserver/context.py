@@ -38,7 +38,8 @@ class ServerContext:
         if not self.model_name:
             self.model_name = self.config.model_name
         self.grammars = GrammarChecker(f"supervise: GrammarChecker_{self.index}",
-                                       self.config.structured_output_check_timeout)
+                                       self.config.structured_output_check_timeout,
+                                       self.config.structured_output_checkers)
 
     def engine_dead_reason(self) -> str | None:
         """Why no engine can serve, if none can: each said ENGINE_DEAD, or the supervisor marked it down."""

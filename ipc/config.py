@@ -71,6 +71,9 @@ class ServeConfig:
     # Seconds an API server's grammar checker may take over one request's grammar (building and checking it, in a
     # process of its own: apiserver/grammar_checker.py); past them it is refused. Real schemas take milliseconds.
     structured_output_check_timeout: float = 5.0
+    # Grammar checker processes an API server may run at once, each one request at a time: the second starts only
+    # for a grammar that comes while the first is busy, so one client's slow grammar does not hold every request.
+    structured_output_checkers: int = 2
     # The most stop strings a request may give (a 400 past it; OpenAI takes 4): an API server looks for each in every
     # new token's text, in its event loop. 0: no limit.
     max_stop_strings: int = 64

@@ -231,7 +231,12 @@ def _positive(click_context, param, value):
 @click.option("--structured-output-check-timeout", default=_DEFAULTS.structured_output_check_timeout,
               show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds an API server may spend building and checking one request's structured-output grammar "
-                   "(in a process of its own); past them the request gets HTTP 400.")
+                   "(in a process of its own); past them the request gets HTTP 400. A request that finds every "
+                   "checker busy for as long gets HTTP 503 to retry.")
+@click.option("--structured-output-checkers", default=_DEFAULTS.structured_output_checkers, show_default=True,
+              type=click.IntRange(1, 64),
+              help="Grammar checker processes each API server may run at once (about 25 MB each), one grammar at a "
+                   "time each: another starts only for a grammar that comes while all are busy.")
 @click.option("--max-stop-strings", default=_DEFAULTS.max_stop_strings, show_default=True, type=click.IntRange(0),
               help="Most stop strings a request may give (OpenAI takes 4); more get HTTP 400. Each is looked for in "
                    "every token's text, so thousands would slow every stream of the API server. 0: no limit.")

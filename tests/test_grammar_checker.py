@@ -120,3 +120,93 @@ def test_out_of_file_descriptors_a_grammar_is_503_to_retry_and_served_once_they_
         response = _chat(http, structured_outputs={"regex": "[a-z]+"})
         assert response.status_code == 200, response.text
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def _schema(i: int) -> dict:
+    """A small JSON schema of its own for each `i`: a grammar the checker has not seen."""
+    return {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": {
+        "type": "object", "properties": {f"field_{i}": {"type": "string"}}, "required": [f"field_{i}"]}}}
+
+
+def _in_thread(target, *args) -> tuple[threading.Thread, list]:
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(target(*args)))
+    thread.start()
+    return thread, results
+
+
+def test_another_clients_slow_grammar_does_not_hold_the_grammars_behind_it(start_supervise):
+    """One checker did one grammar at a time: a request with a small new schema waited behind another client's
+    grammar until that one's timeout (four such clients: 20 s, bench/grammar_contention.py). Now a second checker
+    starts for it and answers while the slow one is still being checked."""
+    server = start_supervise("--model", "sim:1", "--structured-output-check-timeout", "6")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert _chat(http, response_format=_schema(0)).status_code == 200  # the first checker is up
+
+        def slow() -> tuple[int, float]:
+            with httpx.Client(base_url=server.url, timeout=60) as own:
+                response = _chat(own, structured_outputs={"grammar": gbnf_chain(3000)})
+                return response.status_code, time.monotonic()
+
+        thread, slow_result = _in_thread(slow)
+        time.sleep(0.5)  # at the checker
+        statuses = [_chat(http, response_format=_schema(i)).status_code for i in range(1, 4)]
+        answered = time.monotonic()
+        checkers = [p for p in server.children() if title_of(p) == "supervise: GrammarChecker_0"]
+        thread.join()
+    assert statuses == [200, 200, 200]
+    slow_status, slow_answered = slow_result[0]
+    assert slow_status == 400 and answered < slow_answered, (answered, slow_answered)
+    assert len(checkers) == 2, checkers  # the slow one's (killed at its timeout since) and the one that served
+
+
+def test_a_grammar_behind_others_in_line_past_the_timeout_is_503_to_retry(start_supervise):
+    """With every checker busy on grammars that run to the timeout, a request waited in line for as long as the
+    line was. Now the next in line waits for the next free checker and is served; one behind it waits at most the
+    timeout, then gets 503 with Retry-After; a later one is served."""
+    server = start_supervise("--model", "sim:1", "--structured-output-checkers", "1",
+                             "--structured-output-check-timeout", "2")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert _chat(http, response_format=_schema(0)).status_code == 200
+
+        def slow(i: int) -> int:
+            with httpx.Client(base_url=server.url, timeout=60) as own:
+                return _chat(own, structured_outputs={"grammar": gbnf_chain(3000) + f"# {i}\n"}).status_code
+
+        slow_ones = []
+        for i in range(3):  # one at the checker until 2 s, the next there from then on, the third next in line
+            slow_ones.append(_in_thread(slow, i))
+            time.sleep(0.3)
+        started = time.monotonic()
+        response = _chat(http, response_format=_schema(1))
+        waited = time.monotonic() - started
+        for thread, _ in slow_ones:
+            thread.join()
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable_error" and "busy" in error["message"], error
+        assert 1.9 < waited < 3.5, waited  # its own wait, not the line's (the last slow one ends after 6 s)
+        assert [status for _, result in slow_ones for status in result] == [400, 400, 400]
+        assert _chat(http, response_format=_schema(1)).status_code == 200
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_requests_for_a_grammar_being_checked_wait_for_that_check(start_supervise):
+    """Eight clients sending the same new grammar at once were checked one after another, each to the timeout for a
+    slow grammar (16 s here, or 503s now that the wait is bounded); now they share the one check."""
+    server = start_supervise("--model", "sim:1", "--structured-output-checkers", "1",
+                             "--structured-output-check-timeout", "2")
+    grammar = gbnf_chain(3000)
+
+    def send() -> int:
+        with httpx.Client(base_url=server.url, timeout=60) as own:
+            return _chat(own, structured_outputs={"grammar": grammar}).status_code
+
+    started = time.monotonic()
+    threads = [_in_thread(send) for _ in range(8)]
+    for thread, _ in threads:
+        thread.join()
+    took = time.monotonic() - started
+    assert [status for _, result in threads for status in result] == [400] * 8
+    assert took < 2 + 3.5, took  # one check to the timeout, and the checker's first start
