@@ -89,6 +89,13 @@ class Overloaded(ApiError):
     headers = {"Retry-After": RETRY_AFTER_SECONDS}
 
 
+class LargeBodiesFull(Overloaded):
+    """Large bodies of requests in flight fill --max-large-request-bodies-mb: refused before (the rest of) its body
+    is read, and the connection closes after the answer, as after a 413 (apiserver/lingering_close.py)."""
+
+    headers = {"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"}
+
+
 def _http_error(exc: HTTPException) -> ApiError:
     # Starlette's own routing errors (unknown route, wrong method with its Allow header, ...).
     kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"

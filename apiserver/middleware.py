@@ -18,8 +18,10 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 
-from apiserver.errors import REQUEST_ID_SCOPE_KEY, ApiError, RequestTooLarge, Unauthorized, error_body, error_response
+from apiserver.errors import (REQUEST_ID_SCOPE_KEY, ApiError, LargeBodiesFull, RequestTooLarge, Unauthorized, error_body,
+                              error_response)
 from apiserver.metrics import Metrics
+from apiserver.validation import LARGE_BODY_BYTES
 from ipc.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,18 @@ class CorsMiddleware(CORSMiddleware):
 class BodyLimitMiddleware:
     """--max-request-body-bytes: a larger body is refused with 413 before anything parses it, at once when its
     Content-Length says so (the rest of it is never handed to the app), else as soon as the bytes read pass
-    the limit (a chunked body)."""
+    the limit (a chunked body).
 
-    def __init__(self, app, limit: int):
+    --max-large-request-bodies-mb: bodies of LARGE_BODY_BYTES or more count while their requests run, from before
+    they are read to the end of the answer; one that would take the count past `large_limit` is refused with 503
+    (LargeBodiesFull), declared (at once, unread) or counted (a chunked body, when it gets there). One alone always
+    passes. Small bodies never count: a client trickling large ones holds back other large ones only."""
+
+    def __init__(self, app, limit: int, large_limit: int = 0):
         self.app = app
         self._limit = limit
+        self._large_limit = large_limit  # 0: none
+        self._large_held = 0  # bytes of large bodies counted by requests in flight
 
     def _too_large(self) -> RequestTooLarge:
         return RequestTooLarge(
@@ -83,27 +92,55 @@ class BodyLimitMiddleware:
             f"(--max-request-body-bytes).", code="request_too_large"
         )
 
+    def _take_large(self, size: int, own: int = 0) -> None:
+        """Count `size` more bytes of a large body that counts `own` already, or LargeBodiesFull."""
+        held = self._large_held
+        if held > own and held + size > self._large_limit:
+            raise LargeBodiesFull(
+                f"This server holds {held / 2**20:.0f} MB of large request bodies already, with its limit at "
+                f"{self._large_limit // 2**20} MB (--max-large-request-bodies-mb); retry later.",
+                code="large_request_bodies_full")
+        self._large_held = held + size
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self._limit
         for name, value in scope["headers"]:
             if name == b"content-length":  # the HTTP parser holds the body to it
-                if value.isdigit() and int(value) > limit:
+                if not value.isdigit():
+                    return await self.app(scope, receive, send)
+                length = int(value)
+                if length > limit:
                     return await error_response(self._too_large())(scope, receive, send)
-                return await self.app(scope, receive, send)
-        received = 0
+                if length < LARGE_BODY_BYTES or not self._large_limit:
+                    return await self.app(scope, receive, send)
+                try:
+                    self._take_large(length)
+                except LargeBodiesFull as exc:
+                    return await error_response(exc)(scope, receive, send)
+                try:
+                    return await self.app(scope, receive, send)
+                finally:
+                    self._large_held -= length
+        received = counted = 0
 
         async def counted_receive():
-            nonlocal received
+            nonlocal received, counted
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise self._too_large()  # from the route's `await request.body()`: its handlers answer
+                if received >= LARGE_BODY_BYTES and self._large_limit:
+                    self._take_large(received - counted, counted)  # (raised from there too)
+                    counted = received
             return message
 
-        await self.app(scope, counted_receive, send)
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            self._large_held -= counted
 
 
 class ApiKeyMiddleware:
@@ -193,7 +230,8 @@ def middleware_stack(config: ServeConfig) -> list[Middleware]:
             allow_headers=list(config.allowed_headers),
             allow_credentials=config.allow_credentials,
         ))
-    stack.append(Middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes))
+    stack.append(Middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
+                            large_limit=config.max_large_request_bodies_mb * 2**20))
     api_key = api_key_of(config)
     if api_key:
         stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))

@@ -17,7 +17,9 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server():
-    with Supervise("--model", "sim:5", "--api-server-count", "1") as group:
+    # Without the limit on large bodies held at once (tests/test_large_bodies.py): here, what the server does with
+    # as many as get past it.
+    with Supervise("--model", "sim:5", "--api-server-count", "1", "--max-large-request-bodies-mb", "0") as group:
         yield group.wait_serving()
 
 

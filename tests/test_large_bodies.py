@@ -1,0 +1,112 @@
+"""--max-large-request-bodies-mb: large bodies count while their requests run, and one past the limit is refused
+with 503 before it is read, so a client sending many at once cannot take an API server out of memory (fifty 7.6 MB
+chats held 1.1 GB at once, eight 6 MB chats of 250,000 empty messages 1.7 GB; nothing refused any). Small bodies
+never count."""
+import json
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.supervise_process import SUPERVISE, Supervise
+
+MB = 2**20
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Supervise("--model", "sim:1", "--max-large-request-bodies-mb", "8") as group:
+        yield group.wait_serving()
+
+
+def _body(size: int) -> bytes:
+    """A chat completion of about `size` bytes (its `user` field fills it: nothing to tokenize)."""
+    body = {"model": "sim:1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": ""}
+    body["user"] = "x" * (size - len(json.dumps(body)))
+    return json.dumps(body).encode()
+
+
+def _head(length: int) -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict, dict]:
+    """Status, headers (lower-case names) and JSON body of the one answer on `sock`."""
+    sock.settimeout(20)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, rest = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    headers = {name.lower(): value for name, value in headers.items()}
+    while len(rest) < int(headers["content-length"]):
+        rest += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(rest)
+
+
+def _held_open(server, size: int) -> tuple[socket.socket, bytes]:
+    """A request of `size` bytes whose head and first megabyte are sent, the rest not yet: in flight, counted."""
+    body = _body(size)
+    sock = socket.create_connection(server.address)
+    sock.sendall(_head(len(body)) + body[:MB])
+    time.sleep(0.3)  # the server has its head
+    return sock, body
+
+
+def test_a_large_body_past_the_limit_is_503_at_once_and_small_ones_pass(server):
+    holder, held_body = _held_open(server, 6 * MB)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        other = _body(3 * MB)
+        refused = socket.create_connection(server.address)
+        refused.sendall(_head(len(other)) + other[:64 * 1024])  # the rest never comes: answered unread
+        status, headers, error = _answer(refused)
+        refused.close()
+        assert status == 503, error
+        assert headers["retry-after"] == "1" and headers["connection"] == "close", headers
+        assert error["error"]["type"] == "overloaded_error", error
+        assert error["error"]["code"] == "large_request_bodies_full", error
+        assert "--max-large-request-bodies-mb" in error["error"]["message"], error
+
+        # A chunked one is refused once its bytes read say it is large.
+        def chunks():
+            for _ in range(3):
+                yield other[:MB]
+        response = http.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "large_request_bodies_full"
+
+        assert http.post("/v1/chat/completions", content=_body(512 * 1024)).status_code == 200  # small: not counted
+
+        holder.sendall(held_body[MB:])
+        status, _, answer = _answer(holder)
+        holder.close()
+        assert status == 200, answer
+        time.sleep(0.2)  # its request ended: nothing held
+        assert http.post("/v1/chat/completions", content=other).status_code == 200
+        assert http.post("/v1/chat/completions", content=_body(7 * MB)).status_code == 200  # alone, past half
+
+
+def test_a_client_that_goes_mid_body_frees_what_it_held(server):
+    holder, _ = _held_open(server, 7 * MB)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.post("/v1/chat/completions", content=_body(3 * MB)).status_code == 503
+        holder.close()
+        deadline = time.monotonic() + 10
+        while True:
+            status = http.post("/v1/chat/completions", content=_body(3 * MB)).status_code
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status == 200
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_the_limit_is_refused_with_grpc():
+    """gRPC takes whole messages (grpcio, --max-request-body-bytes): the HTTP limit would mean nothing there."""
+    result = subprocess.run([SUPERVISE, "--grpc", "--max-large-request-bodies-mb", "16", "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--max-large-request-bodies-mb applies to the HTTP API" in result.stderr
