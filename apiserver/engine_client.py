@@ -27,7 +27,7 @@ import zmq
 
 from apiserver.engine_errors import EngineDeadError, StreamBacklogFull, UnknownRank
 from apiserver.engine_loads import EngineLoads, GroupInFlight
-from apiserver.request_stream import RequestStream
+from apiserver.request_stream import Backlogs, RequestStream
 from ipc import codec
 from ipc.curve import CurveKeys
 from ipc.launch import ApiServerLaunch
@@ -46,12 +46,13 @@ DRAIN_SLICE_SECONDS = 0.005
 
 class EngineClient:
     def __init__(self, addresses: list[str], index: int, on_in_flight=None, ranks: list[int] | None = None,
-                 curve: CurveKeys | None = None, group: GroupInFlight | None = None, max_backlog_bytes: int = 0):
+                 curve: CurveKeys | None = None, group: GroupInFlight | None = None,
+                 backlogs: Backlogs | None = None):
         """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones;
         `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py);
-        `max_backlog_bytes`: a stream's outputs waiting for its consumer past which its request is aborted
-        (--max-stream-backlog-mb; 0: no limit)."""
-        self.max_backlog_bytes = max_backlog_bytes
+        `backlogs`: how much of a stream's outputs (--max-stream-backlog-mb), and of all streams' together
+        (--max-total-stream-backlog-mb), may wait for their consumers before a request is aborted."""
+        self.backlogs = backlogs if backlogs is not None else Backlogs()
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
@@ -76,7 +77,8 @@ class EngineClient:
         index = launch.index
         return cls(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
                    ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index),
-                   max_backlog_bytes=launch.config.max_stream_backlog_mb * 2**20)
+                   backlogs=Backlogs(launch.config.max_stream_backlog_mb * 2**20,
+                                     launch.config.max_total_stream_backlog_mb * 2**20))
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
@@ -139,8 +141,7 @@ class EngineClient:
         for request_id, _ in requests:
             engine = engines[request_id] = pinned if pinned is not None else self._least_loaded()
             self.loads.sent(engine)
-        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand,
-                               self.max_backlog_bytes)
+        stream = RequestStream(engines, max(1, sampling.n), asyncio.get_running_loop(), self._to_hand, self.backlogs)
         for request_id, frames in messages:
             self._streams[request_id] = stream
             self._send_frames(engines[request_id], frames)
@@ -163,6 +164,7 @@ class EngineClient:
 
     def release(self, stream: RequestStream) -> None:
         """The consumer is done with `stream`: forget it, and abort in the engine what did not finish there."""
+        stream.drop_backlog()
         aborts: dict[int, list[str]] = {}
         for request_id, engine in stream.engines.items():
             if self._streams.pop(request_id, None) is None:
@@ -177,13 +179,28 @@ class EngineClient:
 
     def _end_for_backlog(self, stream: RequestStream) -> None:
         """`stream`'s client reads slower than its engines write: stop them and drop what waits (RequestStream)."""
+        mb = self.backlogs.stream_limit // 2**20
+        self._end_backlogged(stream, f"--max-stream-backlog-mb {mb}", f"at most {mb} MB")
+
+    def _end_largest_backlogs(self) -> None:
+        """All streams' outputs waiting for their consumers passed --max-total-stream-backlog-mb: end the streams
+        that hold most, until the rest fit (the clients most behind: a client that keeps up holds next to none)."""
+        backlogs = self.backlogs
+        mb = backlogs.total_limit // 2**20
+        streams = sorted({id(s): s for s in self._streams.values()}.values(), key=lambda s: s.backlog, reverse=True)
+        for stream in streams:
+            if not backlogs.over_total or not stream.backlog:
+                return
+            self._end_backlogged(stream, f"--max-total-stream-backlog-mb {mb}",
+                                 f"this server's streams together at most {mb} MB")
+
+    def _end_backlogged(self, stream: RequestStream, flag: str, allowed: str) -> None:
         request_ids = [request_id for request_id, left in stream.unfinished.items() if left > 0]
         log.warning("request %s aborted: its client reads slower than the engine writes, and %.0f MB of its output "
-                    "waited (--max-stream-backlog-mb %d)", ", ".join(stream.engines), stream.backlog / 2**20,
-                    self.max_backlog_bytes // 2**20)
+                    "waited (%s)", ", ".join(stream.engines), stream.backlog / 2**20, flag)
         stream.overflow(StreamBacklogFull(
             f"The client read this stream too slowly: {stream.backlog / 2**20:.0f} MB of its output waited in the "
-            f"server (at most {self.max_backlog_bytes // 2**20} MB), so the request was stopped."))
+            f"server ({allowed}), so the request was stopped."))
         for request_id in request_ids:
             self.abort(stream, request_id)
             stream.unfinished[request_id] = 0  # aborted here: release has nothing left to abort
@@ -328,6 +345,8 @@ class EngineClient:
                 stream = streams.get(output.request_id)
                 if stream is not None and stream.put(output):  # None: released (aborted) while this step ran
                     self._end_for_backlog(stream)
+            if self.backlogs.over_total:
+                self._end_largest_backlogs()
         elif isinstance(record, UtilityResult):
             call = self._calls.get(record.call_id)
             if call is not None and not call[1].done():

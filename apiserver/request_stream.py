@@ -31,6 +31,27 @@ def output_bytes(output) -> int:
     return size
 
 
+class Backlogs:
+    """The limits on outputs that wait for their consumers, and what waits in all the streams of one engine client
+    (bytes as output_bytes estimates them): past `stream_limit` one stream is ended, past `total_limit` the one
+    that holds most (0: no such limit)."""
+
+    __slots__ = ("stream_limit", "total_limit", "total")
+
+    def __init__(self, stream_limit: int = 0, total_limit: int = 0):
+        self.stream_limit = stream_limit
+        self.total_limit = total_limit
+        self.total = 0
+
+    @property
+    def counted(self) -> bool:
+        return bool(self.stream_limit or self.total_limit)
+
+    @property
+    def over_total(self) -> bool:
+        return self.total_limit > 0 and self.total > self.total_limit
+
+
 class RequestStream:
     """The outputs of one API request's engine requests (one per prompt), in arrival order, for one consumer.
 
@@ -43,16 +64,17 @@ class RequestStream:
     (apiserver/streaming.py), with no task to wake per token.
 
     The outputs not taken yet are the stream's backlog: a consumer that waits on a slow client (a transport paused,
-    gRPC's flow control) takes none meanwhile, and the engine goes on writing. Past `backlog_limit` bytes (as
-    output_bytes estimates them) `put` says so, and the reader ends the stream (`overflow`)."""
+    gRPC's flow control) takes none meanwhile, and the engine goes on writing. Past its `backlogs`' limit for one
+    stream (bytes as output_bytes estimates them) `put` says so, and the reader ends the stream (`overflow`); each
+    stream's backlog counts in the backlogs' total too, which the reader keeps under its own limit."""
 
     __slots__ = ("engines", "unfinished", "handler", "backlog", "_items", "_waiter", "_error", "_loop",
-                 "_handled_at", "_held", "_to_hand", "_backlog_limit", "_overflowed")
+                 "_handled_at", "_held", "_to_hand", "_backlogs", "_overflowed")
 
     def __init__(self, engines: dict[str, int], num_sequences: int, loop: asyncio.AbstractEventLoop,
-                 to_hand: list | None = None, backlog_limit: int = 0):
+                 to_hand: list | None = None, backlogs: Backlogs | None = None):
         """`to_hand`: the reader's list of streams whose held outputs go to their handler when its drain ends;
-        `backlog_limit`: bytes of outputs not taken yet past which `put` returns True (0: no limit)."""
+        `backlogs`: the limits on outputs not taken yet, and their total over the reader's streams."""
         self.engines = engines  # engine request id -> the engine that runs it
         self.unfinished = dict.fromkeys(engines, num_sequences)  # engine request id -> sequences still running
         self.handler: Callable[[list], bool] | None = None
@@ -63,16 +85,19 @@ class RequestStream:
         self._handled_at = 0.0  # loop time of the last outputs the handler took
         self._held = False  # outputs wait in _items for the handler (this stream is in _to_hand)
         self._to_hand = to_hand
-        self._backlog_limit = backlog_limit
+        self._backlogs = backlogs if backlogs is not None and backlogs.counted else None
         self.backlog = 0  # bytes of the outputs in _items, as estimated (only with a limit)
         self._overflowed = False
 
     def put(self, output) -> bool:
         """Queue `output`; True when that took the backlog past its limit (the reader then ends the stream)."""
-        if self._backlog_limit:
+        backlogs = self._backlogs
+        if backlogs is not None:
             if self._overflowed:
                 return False  # ended: what its engines still send goes nowhere
-            self.backlog += output_bytes(output)
+            size = output_bytes(output)
+            self.backlog += size
+            backlogs.total += size
         self._items.append(output)
         if output.finish_reason is not None:
             self.unfinished[output.request_id] -= 1
@@ -84,14 +109,20 @@ class RequestStream:
                     self._to_hand.append(self)
                 return False
         self._wake()
-        return self._backlog_limit > 0 and self.backlog > self._backlog_limit
+        return backlogs is not None and 0 < backlogs.stream_limit < self.backlog
 
     def overflow(self, error: BaseException) -> None:
         """End the stream for its backlog: the outputs go, the consumer meets `error` at its next batch."""
         self._items = []
-        self.backlog = 0
+        self.drop_backlog()
         self._overflowed = True
         self.fail(error)
+
+    def drop_backlog(self) -> None:
+        """The outputs not taken yet no longer count (taken, dropped, or their consumer gone)."""
+        if self._backlogs is not None:
+            self._backlogs.total -= self.backlog
+        self.backlog = 0
 
     def hand_over(self) -> None:
         """The held outputs to the handler, if the consumer still waits for them (else it takes them)."""
@@ -100,7 +131,6 @@ class RequestStream:
         if waiter is None or waiter.done() or not self._items:
             return
         items, self._items = self._items, []
-        backlog, self.backlog = self.backlog, 0
         taken = False
         if handler is not None:
             try:
@@ -109,8 +139,9 @@ class RequestStream:
                 log.exception("a stream's output handler failed")
         if taken:
             self._handled_at = self._loop.time()
+            self.drop_backlog()
         else:
-            self._items, self.backlog = items, backlog
+            self._items = items
             self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -143,5 +174,5 @@ class RequestStream:
                 if wait <= 0:
                     return []
         items, self._items = self._items, []
-        self.backlog = 0
+        self.drop_backlog()
         return items

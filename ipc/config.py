@@ -88,6 +88,9 @@ class ServeConfig:
     # writes (or not at all), in MB as estimated (apiserver.request_stream.output_bytes); past it the request is
     # aborted. 0: no limit.
     max_stream_backlog_mb: int = 64
+    # All streams' outputs waiting for their clients in one API server, in MB as estimated: past it the streams that
+    # hold most are aborted (clients that stop reading, each under the limit above, add up). 0: no limit.
+    max_total_stream_backlog_mb: int = 512
     # The most logprob entries (a token's, and each of its top logprobs) a response that is not streamed may hold
     # (apiserver.sampling_params.check_whole_logprobs): some 400 MB of an API server's memory. 0: no limit.
     max_logprob_entries: int = 1_000_000

@@ -253,6 +253,11 @@ def _positive(click_context, param, value):
               help="Most output (MB, estimated) a stream may hold in its API server for a client that reads slower "
                    "than the engine writes; past it the request is aborted and the stream ends with an error "
                    "(gRPC: RESOURCE_EXHAUSTED). 0: no limit.")
+@click.option("--max-total-stream-backlog-mb", default=_DEFAULTS.max_total_stream_backlog_mb, show_default=True,
+              type=click.IntRange(0),
+              help="Most output (MB, estimated) all streams together may hold in one API server for clients that "
+                   "read slower than the engine writes; past it the streams that hold most are aborted as above. "
+                   "0: no limit.")
 @click.option("--max-logprob-entries", default=_DEFAULTS.max_logprob_entries, show_default=True,
               type=click.IntRange(0),
               help="Most logprob entries (tokens x (1 + top logprobs), over every choice) a response that is not "

@@ -44,10 +44,9 @@ def _wait_idle(group, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def test_a_client_that_stops_reading_is_cut_off_with_an_error_event(http_group):
-    api = _api_server(http_group)
-    rss_before = api.memory_info().rss
-    host, port = http_group.url.removeprefix("http://").rsplit(":", 1)
+def _unread_stream(group) -> socket.socket:
+    """A streamed BIG request on a connection whose client reads nothing (a small receive buffer, soon full)."""
+    host, port = group.url.removeprefix("http://").rsplit(":", 1)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(60)
@@ -55,10 +54,11 @@ def test_a_client_that_stops_reading_is_cut_off_with_an_error_event(http_group):
     data = json.dumps(BIG).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n%s" % (len(data), data))
-    time.sleep(0.5)  # generating, and the kernel's buffers full: the response waits for this client
-    _wait_idle(http_group, timeout=30)
-    assert api.memory_info().rss - rss_before < 20 * LIMIT_MB * 2**20  # the backlog went, not the server's memory
-    assert "its client reads slower than the engine writes" in http_group.log()
+    return sock
+
+
+def _stream_error(sock: socket.socket) -> dict:
+    """Read the stream to its end: its error event's error."""
     received = b""
     with sock:
         while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
@@ -67,9 +67,41 @@ def test_a_client_that_stops_reading_is_cut_off_with_an_error_event(http_group):
             received += more
     events = [line for line in received.decode(errors="replace").split("\n") if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    return json.loads(events[-2].removeprefix("data: "))["error"]
+
+
+def test_a_client_that_stops_reading_is_cut_off_with_an_error_event(http_group):
+    api = _api_server(http_group)
+    rss_before = api.memory_info().rss
+    sock = _unread_stream(http_group)
+    time.sleep(0.5)  # generating, and the kernel's buffers full: the response waits for this client
+    _wait_idle(http_group, timeout=30)
+    assert api.memory_info().rss - rss_before < 20 * LIMIT_MB * 2**20  # the backlog went, not the server's memory
+    assert "its client reads slower than the engine writes" in http_group.log()
+    error = _stream_error(sock)
     assert error["code"] == "stream_backlog_full" and "too slowly" in error["message"]
     assert httpx.get(http_group.url + "/health", timeout=10).status_code == 200
+
+
+def test_clients_that_stop_reading_are_cut_off_when_their_backlogs_add_up():
+    """Each stream under --max-stream-backlog-mb, many such add up without a bound (256 streams of 64 MB: 16 GB):
+    past --max-total-stream-backlog-mb the streams that hold most are ended, and one that reads is not touched."""
+    total_mb = 3
+    with Supervise("--model", MODEL, "--max-total-stream-backlog-mb", str(total_mb)) as group:
+        api = _api_server(group)
+        rss_before = api.memory_info().rss
+        unread = [_unread_stream(group) for _ in range(3)]
+        body = {**BIG, "max_tokens": 300, "n": 2, "top_logprobs": 5}
+        with httpx.stream("POST", group.base_url + "/chat/completions", json=body, timeout=60) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in event for event in events)
+        _wait_idle(group, timeout=30)
+        assert api.memory_info().rss - rss_before < 20 * total_mb * 2**20
+        for sock in unread:
+            error = _stream_error(sock)
+            assert error["code"] == "stream_backlog_full", error
+            assert f"this server's streams together at most {total_mb} MB" in error["message"], error
+        assert group.log().count(f"(--max-total-stream-backlog-mb {total_mb})") == 3
 
 
 def test_a_client_that_keeps_up_gets_the_whole_stream(http_group):
