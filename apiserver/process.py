@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 
+from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
@@ -106,6 +107,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
         ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
         await engine.start(ENGINE_PING_TIMEOUT)
         server = build_http_server(build_app(ctx), config, group, index, ctx.metrics)
+        freeze_start_up()
         ready.send(True)
         if stop.received:
             return

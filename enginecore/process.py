@@ -22,6 +22,7 @@ import sys
 import traceback
 
 from ipc.config import ServeConfig
+from ipc.heap import freeze_start_up
 from ipc.launch import EngineLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
@@ -80,6 +81,7 @@ def _serve(launch: EngineLaunch) -> None:
         sys.exit(1)
     info = core.model_info
     address = bound_address(router)
+    freeze_start_up()  # torch's and the model's objects: a full collection walked them in the step thread
     ready.send(EngineReady(rank, info, address))
     ready.close()
     # Not "serving": that word is the supervisor's line once the whole group serves (tests wait for it).

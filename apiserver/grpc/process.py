@@ -32,6 +32,7 @@ from apiserver.grpc.servicer import VllmEngineService
 from apiserver.metrics import Metrics
 from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT, enter_process
 from apiserver.server import StopSignals, beat_forever
+from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
 
 log = logging.getLogger("apiserver")
@@ -104,6 +105,7 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
         if config.metrics_port is not None:
             metrics_server = await serve_metrics(config.host, config.metrics_port, lambda: ctx.metrics.exposition(
                 ctx.group, ctx.model_name, ctx.engine.rank_views()))
+        freeze_start_up()
         ready.send(True)
         stopping = _StopRequests(server, stop)
         watcher = asyncio.create_task(watch_engines(engine, config.engine_ping_interval, stopping.engine_gone,
