@@ -81,7 +81,7 @@ def _serve(launch: EngineLaunch) -> None:
         sys.exit(1)
     info = core.model_info
     address = bound_address(router)
-    freeze_start_up()  # torch's and the model's objects: a full collection walked them in the step thread
+    freeze_start_up(young_threshold=None)  # torch's and the model's objects: a full collection walked them all
     ready.send(EngineReady(rank, info, address))
     ready.close()
     # Not "serving": that word is the supervisor's line once the whole group serves (tests wait for it).
