@@ -43,5 +43,6 @@ class RequestAborted(Exception):
 
 
 class StreamBacklogFull(Exception):
-    """The request's outputs waiting for its consumer passed --max-stream-backlog-mb: its client reads slower
-    than the engine writes, or not at all. The request is aborted; the message says so."""
+    """The request's outputs waiting for its consumer passed --max-stream-backlog-mb, or held most when all streams'
+    passed --max-total-stream-backlog-mb: its client reads slower than the engine writes, or not at all. The
+    request is aborted; the message says which limit."""

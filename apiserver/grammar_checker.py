@@ -22,13 +22,12 @@ next request, another client's grammar included.
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import json
 import logging
 import subprocess
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from ipc.grammar import GrammarError
 
@@ -53,7 +52,7 @@ class GrammarChecker:
         `processes`: how many may run at once."""
         self._timeout = timeout
         self._free = [_Checker(title, timeout) for _ in range(processes)]  # not in use (started or not)
-        self._line: collections.deque[asyncio.Future] = collections.deque()  # requests waiting for a checker
+        self._line: deque[asyncio.Future] = deque()  # requests waiting for a checker
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> error, or None: it passed
         self._checking: dict[bytes, asyncio.Task] = {}  # digest -> its exchange, running (callers may be gone)
 

@@ -62,7 +62,8 @@ def main() -> None:
                     sock.sendall(request)
                 except OSError:  # refused before the whole body went: the answer is waiting all the same
                     pass
-                statuses[sock.recv(200).split(b" ")[1].decode() or "none"] += 1
+                head = sock.recv(200).split(b" ")
+                statuses[head[1].decode() if len(head) > 1 else "closed"] += 1
 
         took = at_once(send, args.clients, watch)
         print(f"{args.clients} bodies of {len(body) / 2**20:.1f} MB ({args.kind}) at once: {took:.1f} s, ApiServer_0 peak "

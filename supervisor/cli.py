@@ -226,7 +226,7 @@ def _positive(click_context, param, value):
 @click.option("--max-large-request-bodies-mb", default=_DEFAULTS.max_large_request_bodies_mb, show_default=True,
               type=click.IntRange(0),
               help="MB of request bodies of 1 MiB or more one API server holds at once, until their requests end "
-                   "(the requests they make weigh up to some 30 times as much while parsed); one past it gets HTTP "
+                   "(a parsed chat of many messages weighs some 27 times its body); one past it gets HTTP "
                    "503 before it is read. 0: no limit.")
 @click.option("--max-request-header-bytes", default=_DEFAULTS.max_request_header_bytes, show_default=True,
               type=click.IntRange(1024), help="Most bytes of header names and values one request may send; more get "

@@ -91,8 +91,9 @@ def test_a_request_of_many_prompts_and_choices_takes_turns_with_later_ones():
 
 
 def test_an_api_request_of_many_choices_shares_the_engine(start_supervise):
-    """Through the group, at --max-num-seqs 4: a completions request of 4 prompts with n=16 (64 sequences of 16
-    tokens), and a chat that comes just after it. The chat is answered while the big request still runs (it waited
+    """Through the group, at --max-num-seqs 4: a completions request of 4 prompts with n=16 (64 sequences of 48
+    tokens: long enough that the chat's 0.2 s head start stays a small part of it on a fast CPU, where 16 tokens
+    each took 0.37 s in all), and a chat that comes just after it. The chat is answered while the big request still runs (it waited
     for all of it), and no step ran more sequences than --max-num-seqs (the rank's running gauge in /metrics)."""
     server = start_supervise("--model", TINY, "--load-format", "dummy", "--max-model-len", "256",
                              "--max-num-seqs", "4")
@@ -112,7 +113,7 @@ def test_an_api_request_of_many_choices_shares_the_engine(start_supervise):
 
             async def big():
                 r = await client.post("/v1/completions", json={
-                    "model": model, "prompt": ["one", "two", "three", "four"], "n": 16, "max_tokens": 16,
+                    "model": model, "prompt": ["one", "two", "three", "four"], "n": 16, "max_tokens": 48,
                     "temperature": 1.0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert len(r.json()["choices"]) == 64

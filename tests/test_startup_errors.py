@@ -48,7 +48,8 @@ def test_an_address_to_listen_on_that_cannot_be_is_one_line_and_exit_code_2(args
 
 @pytest.mark.parametrize("args", [
     ["--max-request-header-bytes", "10"], ["--max-stop-strings", "-1"], ["--structured-output-check-timeout", "0"],
-    ["--structured-output-checkers", "0"],
+    ["--structured-output-checkers", "0"], ["--structured-output-checkers", "65"],
+    ["--max-large-request-bodies-mb", "-1"], ["--max-total-stream-backlog-mb", "-1"],
     ["--grammar-cache-size", "0"], ["--max-echo-tokens", "-5"],
 ], ids=lambda args: args[0])
 def test_a_limit_out_of_its_range_is_one_line_and_exit_code_2(args):
