@@ -92,7 +92,9 @@ def test_a_node_killed_under_load_is_noticed_within_the_ping_interval_and_the_he
     said_why = [f for f in load.failures if "engine core DP1: its node stopped sending heartbeats" in f]
     assert said_why, load.failures
     going_down = ("ConnectError", "503 ")
-    assert all(f in said_why or f.startswith(going_down) for f in load.failures), load.failures
+    # (Only the others in the message: the whole list is cut short, and once in CI the odd one was past the cut.)
+    others = [f for f in load.failures if not (f in said_why or f.startswith(going_down))]
+    assert not others, others
     assert not wait_gone(engines, 10)
 
 

@@ -198,7 +198,9 @@ def test_a_group_killed_all_at_once_leaves_no_shared_memory_behind(start_supervi
         process.kill()
     assert wait_gone(group, 5) == []
     assert [path for path in mapped if os.path.exists(path)] == []
-    shutil.rmtree(runtime_dir)  # what no process of the group is left to remove (under systemd: PrivateTmp)
+    # What no process of the group is left to remove (under systemd: PrivateTmp). Once in CI it was gone already: a
+    # process outside the list taken above (started after it) removed it on its parent's death, as orphans do.
+    shutil.rmtree(runtime_dir, ignore_errors=True)
     # The neighbour's group state is whole: its live API server is still in it (the gauge reads its slot).
     assert "supervise_api_servers 1" in httpx.get(f"{neighbour.url}/metrics").text.splitlines()
 
