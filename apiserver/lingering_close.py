@@ -1,7 +1,8 @@
 """A close while the client is still sending its request's body, done as nginx's lingering close.
 
 The server answers a request before its body is in when it refuses the body (413 over --max-request-body-bytes,
-declared or counted) or the group stops (503), and closes the connection after the answer. Closing a socket with
+declared or counted) or the group stops (503), and closes the connection after the answer; so too a request whose
+URL or headers are still coming past --max-request-header-bytes (431, apiserver/http_connection.py). Closing a socket with
 unread bytes in its receive buffer, or receiving more after the close, makes Linux send RST instead of FIN, and
 a client still writing its body then loses the answer that was waiting, unread, in its own receive buffer (its
 next read fails with ECONNRESET). So such a connection first sends the answer and its FIN (the write side shut

@@ -67,7 +67,7 @@ class ServeConfig:
     # rendered (a chat of 250,000 empty messages, 7.9 MB, held about 210 MB: bench/large_bodies.py), so a client
     # sending many at once could take an API server out of memory. One past it gets 503. 0: no limit.
     max_large_request_bodies_mb: int = 32
-    # The most bytes of header names and values one request may send (431 past it): httptools has no limit of its
+    # The most bytes of URL and header lines one request may send (431 past it): httptools has no limit of its
     # own (nginx allows 32 KB, Node 16 KB).
     max_request_header_bytes: int = 64 * 1024
     # The most strings a structured output's `choice` may list (a 400 past it): the API server's grammar checker

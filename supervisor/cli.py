@@ -229,8 +229,8 @@ def _positive(click_context, param, value):
                    "(a parsed chat of many messages weighs some 27 times its body); one past it gets HTTP "
                    "503 before it is read. 0: no limit.")
 @click.option("--max-request-header-bytes", default=_DEFAULTS.max_request_header_bytes, show_default=True,
-              type=click.IntRange(1024), help="Most bytes of header names and values one request may send; more get "
-                                              "HTTP 431 and the connection closes.")
+              type=click.IntRange(1024), help="Most bytes of URL and header lines one request may send; more get HTTP "
+                                              "431 and the connection closes.")
 @click.option("--max-structured-output-choices", default=_DEFAULTS.max_structured_output_choices, show_default=True,
               type=click.IntRange(1), help="Most strings a structured output's `choice` may list; more get HTTP 400.")
 @click.option("--structured-output-check-timeout", default=_DEFAULTS.structured_output_check_timeout,

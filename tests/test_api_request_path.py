@@ -218,7 +218,6 @@ NOT_HTTP = {
                                   b"Transfer-Encoding: chunked\r\n\r\n%s" % (len(COMPLETION), COMPLETION),
     "a bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     "an unknown method": b"BREW /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
-    "a 100 KB URL": b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
     "a header line without a colon": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
     "a TLS ClientHello": bytes.fromhex("160301020001000200030300") + b"\x00" * 64,
     "the HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
