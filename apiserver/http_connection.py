@@ -36,10 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
+from apiserver.ignored_upgrade import head_without_upgrade, new_parser
 from apiserver.errors import ApiError, InvalidRequest, RequestTimeout, ShuttingDown, error_body
 from apiserver.lingering_close import LINGER_IDLE_SECONDS, LINGER_SECONDS, DiscardingParser, LingeringClose
 from apiserver.write_batch import BatchedTransport, WriteBatch
@@ -114,6 +116,7 @@ class HttpConnection(HttpToolsProtocol):
         self._linger_until: float | None = None  # loop time by which a lingering close ends
         self._header_bytes = 0  # of the request being read: its URL and header lines, as the parser hands them over
         self._head_reads = 0  # bytes of the reads after the first that found the request's head still incomplete
+        self._upgrade_asked = False  # the request being read asks to switch protocols (ignored_upgrade.py)
 
     # Connection.
     def connection_made(self, transport) -> None:
@@ -150,7 +153,24 @@ class HttpConnection(HttpToolsProtocol):
                 self._answer_and_close(_headers_too_large(self._policy.max_header_bytes), linger=True)
                 return
             self._head_reads += len(data)
-        super().data_received(data)
+        # uvicorn's own data_received, but for an upgrade: apiserver/ignored_upgrade.py.
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._serve_without_upgrade(data[upgrade.args[0]:])
+
+    def _serve_without_upgrade(self, rest: bytes) -> None:
+        """The parser stopped after a request that asks for an upgrade (on_headers_complete held it back): the
+        same request, asking for none, and what follows it, go to a new parser."""
+        self._upgrade_asked = False
+        head = head_without_upgrade(self.parser.get_method(), self.url, self.parser.get_http_version(), self.headers)
+        self.parser = new_parser(self)
+        self.data_received(head + rest)
 
     # Parser callbacks: where a request's reading starts, progresses and ends.
     def on_message_begin(self) -> None:
@@ -173,6 +193,11 @@ class HttpConnection(HttpToolsProtocol):
             raise _HeadersTooLarge  # stops the parser: data_received answers (send_400_response)
 
     def on_headers_complete(self) -> None:
+        if self.parser.should_upgrade():
+            if self.parser.get_method() == b"CONNECT":
+                raise _NotAProxy  # a tunnel's bytes would follow: 400, closed
+            self._upgrade_asked = True  # held back: the parser ends the message here, body unread
+            return
         self._headers_done = True
         if self._policy.refusing:
             self.app = shutting_down_app  # this connection closes after the answer
@@ -190,6 +215,8 @@ class HttpConnection(HttpToolsProtocol):
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._upgrade_asked:
+            return  # the parser's end of a message it did not read: it is parsed again (_serve_without_upgrade)
         self._reading_since = None
         cycle = self.cycle
         if cycle is not None and cycle.transport is self._lingering_close:
@@ -300,6 +327,10 @@ def _headers_too_large(limit: int) -> ConnectionAnswer:
         f"The request's URL and headers are larger than {limit:,} bytes in all (--max-request-header-bytes): the "
         f"connection is closed.", code="request_headers_too_large", status=431,
     ), b"Request Header Fields Too Large")
+
+
+class _NotAProxy(Exception):
+    """Raised from a parser callback for CONNECT: this server opens no tunnels (400, as httptools' errors)."""
 
 
 class _HeadersTooLarge(Exception):

@@ -81,6 +81,7 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
     uv_config = uvicorn.Config(
         app,
         http="httptools",
+        ws="none",  # no route takes a WebSocket: an upgrade is ignored and the request served as HTTP/1.1
         lifespan="off",  # the process entry sets everything up before serving
         log_config=None,  # keep ipc.logs' format
         access_log=False,

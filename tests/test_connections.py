@@ -68,15 +68,24 @@ def read_until_closed(conn: socket.socket) -> tuple[bytes, float]:
     return data, time.monotonic()
 
 
+def read_responses(conn: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """`count` whole responses with Content-Length bodies, answers to pipelined requests: (head, body) each."""
+    data, responses = b"", []
+    while len(responses) < count:
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, data = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        while len(data) < length:
+            data += conn.recv(65536)
+        responses.append((head, data[:length]))
+        data = data[length:]
+    return responses
+
+
 def read_response(conn: socket.socket) -> bytes:
     """One whole response with a Content-Length body, from a connection that stays open."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-    while len(body) < length:
-        body += conn.recv(65536)
+    ((head, body),) = read_responses(conn, 1)
     return head + b"\r\n\r\n" + body
 
 
@@ -184,6 +193,40 @@ def test_a_url_counts_toward_the_header_limit(short_timeouts):
     conn.sendall(b"GET /health?q=" + b"a" * (30 * 1024) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     assert read_response(conn).startswith(b"HTTP/1.1 200")
     conn.close()
+
+
+COMPLETION = b'{"model": "sim:10", "prompt": "x", "max_tokens": 2}'
+# What `curl --http2 http://...` sends: HTTP/1.1 asking to switch to HTTP/2 in cleartext.
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("body_framing", ["content-length", "chunked"])
+def test_a_request_asking_for_an_upgrade_is_served_as_http_1_1_body_and_all(short_timeouts, body_framing):
+    """httptools ends such a request at its headers, body unread, and uvicorn ran it with an empty body: `curl
+    --http2` POSTing a completion got 400 "The request body is empty", and the connection served nothing more."""
+    if body_framing == "chunked":
+        framing, body = b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    else:
+        framing, body = b"Content-Length: %d\r\n" % len(COMPLETION), COMPLETION
+    conn = connect(short_timeouts)
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + H2C + b"Content-Type: application/json\r\n"
+                 + framing + b"\r\n")
+    time.sleep(0.2)  # the body in a read of its own
+    conn.sendall(body + HEALTH)  # and a request after it on the same connection
+    (head, body), (health, _) = read_responses(conn, 2)
+    conn.close()
+    assert head.startswith(b"HTTP/1.1 200"), (head, body)
+    assert json.loads(body)["usage"]["completion_tokens"] == 2
+    assert health.startswith(b"HTTP/1.1 200")
+
+
+def test_connect_is_refused(short_timeouts):
+    conn = connect(short_timeouts)
+    conn.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+    answer, _ = read_until_closed(conn)
+    conn.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b'"invalid_http_request"' in answer
 
 
 def test_a_stalled_body_gets_408_then_close(short_timeouts):
