@@ -115,7 +115,7 @@ class HttpConnection(HttpToolsProtocol):
         self._lingering_close = LingeringClose(self)  # the cycle's transport while a request's body is read
         self._linger_until: float | None = None  # loop time by which a lingering close ends
         self._header_bytes = 0  # of the request being read: its URL and header lines, as the parser hands them over
-        self._head_reads = 0  # bytes of the reads after the first that found the request's head still incomplete
+        self._reads_without_body = 0  # bytes read since the request began (after its first read) or since its last body bytes
         self._upgrade_asked = False  # the request being read asks to switch protocols (ignored_upgrade.py)
 
     # Connection.
@@ -144,15 +144,16 @@ class HttpConnection(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         """httptools hands over a header only when its line is complete, joining the pieces of one long header
         (`bytes +=`) until then, and uvicorn joins the URL's pieces the same way: a 64 MB header value sent in
-        64 KB pieces was 14.8 s of copying in this process, its /health late by up to 3.5 s, 167 MB held. So the
-        reads of a head still incomplete are counted before the parser has them: past the limit, 431 at once
-        (one read past it at most reaches the parser). The read where the request began is not counted: a head
-        that fits in one read is counted exactly, header by header, below."""
-        if self._reading_since is not None and not self._headers_done and self._linger_until is None:
-            if self._head_reads > self._policy.max_header_bytes:
+        64 KB pieces was 14.8 s of copying in this process, its /health late by up to 3.5 s, 167 MB held; a
+        chunked body's trailer without end, 293 MB and /health unanswered for 5 s. So the reads of a request that
+        bring none of its body (its head, a trailer, chunk framing) are counted before the parser has them: past
+        the limit, 431 at once (one read past it at most reaches the parser). The read where the request began
+        is not counted: a head that fits in one read is counted exactly, header by header, below."""
+        if self._reading_since is not None and self._linger_until is None:
+            if self._reads_without_body > self._policy.max_header_bytes:
                 self._answer_and_close(_headers_too_large(self._policy.max_header_bytes), linger=True)
                 return
-            self._head_reads += len(data)
+            self._reads_without_body += len(data)  # (on_body starts the count again)
         # uvicorn's own data_received, but for an upgrade: apiserver/ignored_upgrade.py.
         self._unset_keepalive_if_required()
         try:
@@ -177,7 +178,7 @@ class HttpConnection(HttpToolsProtocol):
         super().on_message_begin()
         self._reading_since = self._last_read = self.loop.time()
         self._headers_done = False
-        self._header_bytes = self._head_reads = 0
+        self._header_bytes = self._reads_without_body = 0
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -212,6 +213,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._last_read = self.loop.time()
+        self._reads_without_body = 0
         super().on_body(body)
 
     def on_message_complete(self) -> None:

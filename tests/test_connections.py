@@ -158,8 +158,11 @@ def test_headers_past_the_limit_get_431_then_close_and_smaller_ones_are_served(s
     conn.close()
 
 
-@pytest.mark.parametrize("head", [b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ", b"GET /health?"],
-                         ids=["one header value", "URL"])
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ",
+    b"GET /health?",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ",
+], ids=["one header value", "URL", "a chunked body's trailer"])
 def test_a_head_that_never_ends_gets_431_as_soon_as_it_passes_the_limit(short_timeouts, head):
     """httptools joins the pieces of one header line (uvicorn those of the URL) until the line ends: a 64 MB header
     value sent in 64 KB pieces was 14.8 s of copying in the API server, its /health late by up to 3.5 s, and no
