@@ -90,8 +90,8 @@ class Overloaded(ApiError):
 
 
 class LargeBodiesFull(Overloaded):
-    """Large bodies of requests in flight fill --max-large-request-bodies-mb: refused before (the rest of) its body
-    is read, and the connection closes after the answer, as after a 413 (apiserver/lingering_close.py)."""
+    """Large bodies' bytes read by requests in flight fill --max-large-request-bodies-mb: refused before (the rest of)
+    its body is read, and the connection closes after the answer, as after a 413 (apiserver/lingering_close.py)."""
 
     headers = {"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"}
 

@@ -75,16 +75,19 @@ class BodyLimitMiddleware:
     Content-Length says so (the rest of it is never handed to the app), else as soon as the bytes read pass
     the limit (a chunked body).
 
-    --max-large-request-bodies-mb: bodies of LARGE_BODY_BYTES or more count while their requests run, from before
-    they are read to the end of the answer; one that would take the count past `large_limit` is refused with 503
-    (LargeBodiesFull), declared (at once, unread) or counted (a chunked body, when it gets there). One alone always
-    passes. Small bodies never count: a client trickling large ones holds back other large ones only."""
+    --max-large-request-bodies-mb: the bytes read of bodies of LARGE_BODY_BYTES or more count while their requests
+    run, to the end of the answer; a body whose next bytes would take the count past `large_limit` is refused
+    with 503 (LargeBodiesFull), and one whose Content-Length would is refused at once, unread. Bytes count as they
+    are read, not as they are declared: a client that declares large bodies and sends them a byte at a time (the
+    body timeout runs between two reads, so a slow link is not cut) holds what it sent, not the limit (four such
+    connections held every large body off with 503 for as long as they trickled). One alone always passes;
+    small bodies never count."""
 
     def __init__(self, app, limit: int, large_limit: int = 0):
         self.app = app
         self._limit = limit
         self._large_limit = large_limit  # 0: none
-        self._large_held = 0  # bytes of large bodies counted by requests in flight
+        self._large_held = 0  # bytes read of large bodies, counted by requests in flight
 
     def _too_large(self) -> RequestTooLarge:
         return RequestTooLarge(
@@ -92,15 +95,15 @@ class BodyLimitMiddleware:
             f"(--max-request-body-bytes).", code="request_too_large"
         )
 
-    def _take_large(self, size: int, own: int = 0) -> None:
-        """Count `size` more bytes of a large body that counts `own` already, or LargeBodiesFull."""
+    def _full(self, size: int, own: int = 0) -> LargeBodiesFull | None:
+        """The refusal of `size` more bytes for a body that counts `own` already, if they would pass the limit."""
         held = self._large_held
         if held > own and held + size > self._large_limit:
-            raise LargeBodiesFull(
+            return LargeBodiesFull(
                 f"This server holds {held / 2**20:.0f} MB of large request bodies already, with its limit at "
                 f"{self._large_limit // 2**20} MB (--max-large-request-bodies-mb); retry later.",
                 code="large_request_bodies_full")
-        self._large_held = held + size
+        return None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -115,14 +118,9 @@ class BodyLimitMiddleware:
                     return await error_response(self._too_large())(scope, receive, send)
                 if length < LARGE_BODY_BYTES or not self._large_limit:
                     return await self.app(scope, receive, send)
-                try:
-                    self._take_large(length)
-                except LargeBodiesFull as exc:
-                    return await error_response(exc)(scope, receive, send)
-                try:
-                    return await self.app(scope, receive, send)
-                finally:
-                    self._large_held -= length
+                if full := self._full(length):
+                    return await error_response(full)(scope, receive, send)
+                break
         received = counted = 0
 
         async def counted_receive():
@@ -133,7 +131,9 @@ class BodyLimitMiddleware:
                 if received > limit:
                     raise self._too_large()  # from the route's `await request.body()`: its handlers answer
                 if received >= LARGE_BODY_BYTES and self._large_limit:
-                    self._take_large(received - counted, counted)  # (raised from there too)
+                    if full := self._full(received - counted, counted):
+                        raise full  # (answered from there too)
+                    self._large_held += received - counted
                     counted = received
             return message
 

@@ -62,10 +62,10 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
-    # MB of large request bodies (apiserver.validation.LARGE_BODY_BYTES and up) one API server holds at once, as
-    # sent, until their requests end: the requests they make weigh some 27 times as much while they are parsed and
-    # rendered (a chat of 250,000 empty messages, 7.9 MB, held about 210 MB: bench/large_bodies.py), so a client
-    # sending many at once could take an API server out of memory. One past it gets 503. 0: no limit.
+    # MB of large request bodies (apiserver.validation.LARGE_BODY_BYTES and up) one API server holds at once, by
+    # bytes read, until their requests end: the requests they make weigh some 27 times as much while they are
+    # parsed and rendered (a chat of 250,000 empty messages, 7.9 MB, held about 210 MB: bench/large_bodies.py), so
+    # a client sending many at once could take an API server out of memory. A body past it gets 503. 0: no limit.
     max_large_request_bodies_mb: int = 32
     # The most bytes of URL and header lines one request may send (431 past it): httptools has no limit of its
     # own (nginx allows 32 KB, Node 16 KB).

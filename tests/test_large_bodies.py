@@ -1,7 +1,7 @@
-"""--max-large-request-bodies-mb: large bodies count while their requests run, and one past the limit is refused
-with 503 before it is read, so a client sending many at once cannot take an API server out of memory (fifty 7.6 MB
-chats held 1.1 GB at once, eight 6 MB chats of 250,000 empty messages 1.7 GB; nothing refused any). Small bodies
-never count."""
+"""--max-large-request-bodies-mb: the bytes read of large bodies count while their requests run, and a body past the
+limit is refused with 503 (before it is read when its Content-Length says so), so a client sending many at once
+cannot take an API server out of memory (fifty 7.6 MB chats held 1.1 GB at once, eight 6 MB chats of 250,000 empty
+messages 1.7 GB; nothing refused any). Bytes declared but not sent hold nothing, and small bodies never count."""
 import json
 import socket
 import subprocess
@@ -48,12 +48,12 @@ def _answer(sock: socket.socket) -> tuple[int, dict, dict]:
     return int(lines[0].split()[1]), headers, json.loads(rest)
 
 
-def _held_open(server, size: int) -> tuple[socket.socket, bytes]:
-    """A request of `size` bytes whose head and first megabyte are sent, the rest not yet: in flight, counted."""
+def _held_open(server, size: int, sent: int) -> tuple[socket.socket, bytes]:
+    """A request of `size` bytes whose head and first `sent` bytes are sent, the rest not yet: in flight, counted."""
     body = _body(size)
     sock = socket.create_connection(server.address)
-    sock.sendall(_head(len(body)) + body[:MB])
-    time.sleep(0.3)  # the server has its head
+    sock.sendall(_head(len(body)) + body[:sent])
+    time.sleep(0.3)  # the server has read them
     return sock, body
 
 
@@ -68,7 +68,7 @@ def _served_once_free(http: httpx.Client, body: bytes) -> int:
 
 
 def test_a_large_body_past_the_limit_is_503_at_once_and_small_ones_pass(server):
-    holder, held_body = _held_open(server, 6 * MB)
+    holder, held_body = _held_open(server, 7 * MB, 6 * MB)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         other = _body(3 * MB)
         refused = socket.create_connection(server.address)
@@ -90,7 +90,7 @@ def test_a_large_body_past_the_limit_is_503_at_once_and_small_ones_pass(server):
 
         assert http.post("/v1/chat/completions", content=_body(512 * 1024)).status_code == 200  # small: not counted
 
-        holder.sendall(held_body[MB:])
+        holder.sendall(held_body[6 * MB:])
         status, _, answer = _answer(holder)
         holder.close()
         assert status == 200, answer
@@ -99,12 +99,48 @@ def test_a_large_body_past_the_limit_is_503_at_once_and_small_ones_pass(server):
 
 
 def test_a_client_that_goes_mid_body_frees_what_it_held(server):
-    holder, _ = _held_open(server, 7 * MB)
+    holder, _ = _held_open(server, 7 * MB, 6 * MB)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.post("/v1/chat/completions", content=_body(3 * MB)).status_code == 503
         holder.close()
         assert _served_once_free(http, _body(3 * MB)) == 200
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_bytes_declared_but_not_sent_hold_nothing(server):
+    """Four connections that declare the largest bodies and trickle them a byte at a time (the body timeout runs
+    between two reads) held every large body off with 503 for as long as they went on."""
+    tricklers = []
+    for _ in range(4):
+        sock = socket.create_connection(server.address)
+        sock.sendall(_head(8 * MB) + b"{")
+        tricklers.append(sock)
+    try:
+        time.sleep(0.3)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for _ in range(2):
+                assert http.post("/v1/chat/completions", content=_body(3 * MB)).status_code == 200
+                for sock in tricklers:
+                    sock.send(b" ")
+    finally:
+        for sock in tricklers:
+            sock.close()
+
+
+def test_a_declared_body_is_refused_when_its_bytes_read_pass_the_limit(server):
+    """One that fit when it came (5 + 3 of 8 MB) but whose bytes read, beside another body's, pass the limit."""
+    first, first_body = _held_open(server, 7 * MB, 5 * MB)
+    second, second_body = _held_open(server, 3 * MB, 3 * MB // 2)  # 6.5 MB held
+    first.sendall(first_body[5 * MB:6 * MB])  # 7.5 MB held
+    time.sleep(0.3)
+    second.sendall(second_body[3 * MB // 2:])
+    status, _, error = _answer(second)
+    second.close()
+    assert status == 503 and error["error"]["code"] == "large_request_bodies_full", error
+    first.sendall(first_body[6 * MB:])
+    status, _, answer = _answer(first)
+    first.close()
+    assert status == 200, answer
 
 
 def test_the_limit_is_refused_with_grpc():
