@@ -9,7 +9,8 @@ tokenizer the same comes from a table of each token's bytes (apiserver/byte_stre
 cost per token.
 
 Stop strings are matched here, on the text, because a stop string can span tokens. Text that might be the
-beginning of a stop string is held back until it is clear, so a stop string never leaks into the output.
+beginning of a stop string is held back until it is clear, so a stop string never leaks into the output. A
+token's new text is searched only for the stop strings whose last character it holds (apiserver/stop_strings.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from apiserver.byte_stream import ByteLevelStream, byte_tables
+from apiserver.stop_strings import NO_STOP_STRINGS, StopStrings
 
 # How much of the prompt primes the decoder: enough for the context a token's decoding depends on.
 PROMPT_CONTEXT_TOKENS = 4
@@ -29,7 +31,7 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Tokenizer,
         prompt_token_ids: list[int],
-        stop: list[str] | None = None,
+        stop: StopStrings = NO_STOP_STRINGS,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
     ):
@@ -38,9 +40,8 @@ class IncrementalDetokenizer:
         tables = byte_tables(tokenizer)
         self._stream = (ByteLevelStream(tables.of(skip_special_tokens), context) if tables is not None
                         else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
-        self._stops = [s for s in stop or () if s]
-        # Characters at the end of the text that could still grow into a stop string.
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._stops = stop if stop else None  # (None: no set test per token)
+        self._hold = stop.hold
         self._include_stop = include_stop_str_in_output
         # Only the text not handed out yet is kept: appending to the whole text would copy it all on every
         # token. A stop string cannot begin in text already handed out, because the last `_hold` characters
@@ -58,20 +59,16 @@ class IncrementalDetokenizer:
             if piece:
                 start = len(self._unsent)
                 self._unsent += piece
-                if self._stops and self._find_stop(start):
+                if self._stops is not None and self._find_stop(start):
                     return used
         return len(token_ids)
 
     def _find_stop(self, new_text_start: int) -> bool:
         text = self._unsent
-        found_at, found = -1, None
-        for stop in self._stops:
-            # A match may begin in the older unsent text: it can only end in the new one.
-            at = text.find(stop, max(0, new_text_start - len(stop) + 1))
-            if at >= 0 and (found is None or at < found_at):
-                found_at, found = at, stop
-        if found is None:
+        match = self._stops.first_in(text, new_text_start)
+        if match is None:
             return False
+        found_at, found = match
         self._unsent = text[: found_at + len(found)] if self._include_stop else text[:found_at]
         self.stop_reason = found
         return True

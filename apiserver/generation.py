@@ -17,6 +17,7 @@ from apiserver.detokenizer import IncrementalDetokenizer
 from apiserver.engine_client import EngineClient
 from apiserver.engine_errors import RequestAborted, request_error
 from apiserver.request_stream import RequestStream
+from apiserver.stop_strings import StopStrings
 from ipc.messages import FinishReason
 from ipc.sampling import SamplingParams
 
@@ -75,7 +76,7 @@ class Generation:
         prompts: list[list[int]],
         sampling: SamplingParams,
         priority: int,
-        stop: list[str],
+        stop: StopStrings,
         skip_special_tokens: bool,
         include_stop_str_in_output: bool,
         tokenizer,
@@ -108,7 +109,7 @@ class Generation:
             for j in range(n)
         ]
         self._unfinished = len(self.choices)
-        self._stop_strings = any(stop or ())
+        self._stop_strings = bool(stop)
         self._priority = priority
         self._stream: RequestStream | None = None
         self.arrival = time.monotonic()

@@ -82,9 +82,9 @@ class ChatServing(GenerationServing):
         )
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
-            ctx.engine, request_id, [prompt], sampling, self.priority(request, req.priority), stop_strings(req.stop, ctx.config.max_stop_strings),
-            req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
-            self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
+            ctx.engine, request_id, [prompt], sampling, self.priority(request, req.priority),
+            stop_strings(req.stop, ctx.config), req.skip_special_tokens, req.include_stop_str_in_output,
+            ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
         response_id = "chatcmpl-" + request_id
         created = int(time.time())

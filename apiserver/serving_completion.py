@@ -90,9 +90,9 @@ class CompletionServing(GenerationServing):
                                    prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar)
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
-            ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority), stop_strings(req.stop, ctx.config.max_stop_strings),
-            req.skip_special_tokens, req.include_stop_str_in_output, ctx.renderer.tokenizer,
-            self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
+            ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority),
+            stop_strings(req.stop, ctx.config), req.skip_special_tokens, req.include_stop_str_in_output,
+            ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
         )
         echoes = [await self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id

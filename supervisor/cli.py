@@ -245,6 +245,10 @@ def _positive(click_context, param, value):
 @click.option("--max-stop-strings", default=_DEFAULTS.max_stop_strings, show_default=True, type=click.IntRange(0),
               help="Most stop strings a request may give (OpenAI takes 4); more get HTTP 400. Each is looked for in "
                    "every token's text, so thousands would slow every stream of the API server. 0: no limit.")
+@click.option("--max-stop-string-chars", default=_DEFAULTS.max_stop_string_chars, show_default=True,
+              type=click.IntRange(0),
+              help="Most characters a request's stop strings may hold in all; more get HTTP 400. Looking for one in "
+                   "a token's text costs about its length, in the API server's event loop. 0: no limit.")
 @click.option("--grammar-cache-size", default=_DEFAULTS.grammar_cache_size, show_default=True, type=click.IntRange(1),
               help="Compiled structured-output grammars each engine keeps for requests that repeat them (most weigh "
                    "tens of KB, the largest some 9 MB).")

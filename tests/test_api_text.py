@@ -8,6 +8,7 @@ import pytest
 
 from apiserver.detokenizer import IncrementalDetokenizer
 from apiserver.renderer import Renderer, load_tokenizer
+from apiserver.stop_strings import StopStrings
 from enginecore.model_source import resolve_model
 
 TEXTS = [
@@ -25,7 +26,8 @@ def renderer():
     return Renderer(load_tokenizer(resolve_model(None)))
 
 
-def stream_deltas(renderer, ids, chunk_sizes, prompt=(1, 2), **options):
+def stream_deltas(renderer, ids, chunk_sizes, prompt=(1, 2), stop=(), **options):
+    options["stop"] = StopStrings(list(stop))
     detok = IncrementalDetokenizer(renderer.tokenizer, list(prompt), **options)
     deltas, at = [], 0
     while at < len(ids):
@@ -60,6 +62,7 @@ def test_special_tokens_are_skipped_or_kept(renderer):
     ([" E", "zzz"], "Paris is the capital of France. It is known for the"),
     (["is", "Paris"], ""),  # the earliest match wins, whichever stop string it is
     (["France. It"], "Paris is the capital of "),  # across several tokens
+    (["Eiffel", "known", "France"], "Paris is the capital of "),  # the earliest, of strings with other last letters
 ])
 @pytest.mark.parametrize("chunks", [[1], [3]])
 def test_stop_strings_never_leak(renderer, stop, expected, chunks):
@@ -77,9 +80,27 @@ def test_include_stop_string(renderer):
     assert "".join(deltas) == "Paris is the capital"
 
 
+def test_stop_strings_find_what_a_search_for_each_finds():
+    """StopStrings looks only for the strings whose last character the new text holds: it must find the same
+    earliest match as a search for every string, and of two that begin at one place, the one given first."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        strings = list(dict.fromkeys("".join(rng.choices("abc", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 5))))
+        text = "".join(rng.choices("abcd", k=rng.randint(1, 12)))
+        stops, start = StopStrings(strings), 0
+        for end in range(1, len(text) + 1):  # the text grows a character at a time, as tokens add to it
+            found = stops.first_in(text[:end], start)
+            matches = [(at, s) for s in strings if (at := text[:end].find(s)) >= 0]
+            expected = min(matches, key=lambda match: match[0]) if matches else None  # (the first given of a tie)
+            assert found == expected, (strings, text[:end], found, expected)
+            if found:
+                break
+            start = end
+
+
 def test_tokens_after_a_stop_are_not_counted(renderer):
     ids = renderer.encode("one two three four", add_special_tokens=False)
-    detok = IncrementalDetokenizer(renderer.tokenizer, [1], stop=[" two"])
+    detok = IncrementalDetokenizer(renderer.tokenizer, [1], stop=StopStrings([" two"]))
     assert detok.add_tokens(ids) == 2  # "one", " two": the rest is ignored
 
 
