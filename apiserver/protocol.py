@@ -43,7 +43,9 @@ MAX_REQUEST_ID_LENGTH = 256  # the body's `request_id`, and the X-Request-Id hea
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity are not JSON, but Python's json.dumps writes them and pydantic reads them: refused as what
+    # they are, not as a number past a field's bound ("should be less than or equal to 100" for a NaN).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _default_if_null(cls, value, info: ValidationInfo):

@@ -54,6 +54,17 @@ def test_prompt_longer_than_the_model_allows(http):
     assert_openai_error(response, 400)
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+def test_a_number_that_is_not_finite_is_named_so(http, value):
+    """Python's json.dumps writes float("nan") as NaN, which is not JSON; a client that sends it learns what is
+    wrong, not that the value is past the field's bound."""
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": %s}' % (model.encode(), value)
+    error = assert_openai_error(http.post("/v1/completions", content=body,
+                                          headers={"content-type": "application/json"}), 400)
+    assert error["param"] == "temperature" and "finite number" in error["message"], error
+
+
 def test_json_array_body(http):
     response = http.post("/v1/chat/completions", json=[1, 2, 3])
     assert_openai_error(response, 400)
