@@ -54,18 +54,19 @@ class IncrementalDetokenizer:
         ended the text (then `stop_reason` is set and later tokens are to be ignored)."""
         step = self._stream.step
         tokenizer = self._tokenizer
+        stops = self._stops
         for used, token_id in enumerate(token_ids, 1):
             piece = step(tokenizer, token_id)
             if piece:
                 start = len(self._unsent)
                 self._unsent += piece
-                if self._stops is not None and self._find_stop(start):
+                if stops is not None and self._find_stop(stops, start):
                     return used
         return len(token_ids)
 
-    def _find_stop(self, new_text_start: int) -> bool:
+    def _find_stop(self, stops: StopStrings, new_text_start: int) -> bool:
         text = self._unsent
-        match = self._stops.first_in(text, new_text_start)
+        match = stops.first_in(text, new_text_start)
         if match is None:
             return False
         found_at, found = match
