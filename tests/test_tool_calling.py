@@ -2,6 +2,7 @@
 the qwen3 reasoning parser) and the `openai` client, streamed and not: forced calls whose arguments validate
 against their function's schema, a full round trip, OpenAI's streamed delta shape, reasoning_content."""
 import json
+import re
 
 import jsonschema
 import openai
@@ -158,3 +159,17 @@ def test_megabytes_of_tools_are_rendered_off_the_event_loop(served_with_tools, m
         httpx.post(f"{served_with_tools.base_url}/chat/completions", json=body, timeout=120)), every=0.02)
     assert answer[0].status_code == 400 and "maximum context length" in answer[0].json()["error"]["message"]
     assert slowest < 0.6, f"/health waited {slowest:.2f} s"
+
+
+def test_a_call_whose_json_does_not_decode_is_content_not_a_500(client, model):
+    """The model writes a tool call whose name holds an escape JSON has not (\\q): the scan takes it for a string,
+    and json's own error, raised out of the parser, made a whole answer a 500 and ended a stream with an error.
+    (The output is forced with a regular expression, as any client can.)"""
+    written = '<tool_call>\n{"name": "\\q", "arguments": {}}\n</tool_call>'
+    request = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=40,
+                   extra_body={"structured_outputs": {"regex": re.escape(written)}})
+    message = client.chat.completions.create(**request).choices[0].message
+    assert message.content == written and not message.tool_calls
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == written
+    assert chunks[-1].choices[0].finish_reason == "stop"

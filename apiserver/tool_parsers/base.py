@@ -1,8 +1,9 @@
 """What every tool-call parser gives, and how its results become OpenAI's tool calls, whole or streamed.
 
 A parser reads the text a choice has generated so far and says what of it is content and which tool calls it
-holds: `parse(text, final) -> Parsed`. It is called again on the longer text after every delta (outputs are
-short; parsing is linear), and it must be consistent: the content and each call's arguments only ever grow, so
+holds: `parse(text, final, memo) -> Parsed`. It is called again on the longer text after every delta, with the
+choice's ScanMemo, which keeps what its scans found so that each call costs about the delta (json_scan.py), and it
+must be consistent: the content and each call's arguments only ever grow, so
 what was streamed stays a prefix of the final message. Until `final`, a parser holds back text that may still
 turn out to start a tool call.
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from apiserver.tool_parsers.json_scan import ScanMemo
 
 
 @dataclass
@@ -29,7 +32,8 @@ class Parsed(NamedTuple):
 
 
 class ToolParser:
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
+        """`memo`: what the scans of this text's shorter versions found (a streamed choice's); None: a new one."""
         raise NotImplementedError
 
 
@@ -63,11 +67,12 @@ def tool_calls_json(calls: list[CallState]) -> list[dict]:
 class ToolCallStream:
     """One streamed choice: feed it each text delta, it answers the new content and the tool-call deltas."""
 
-    __slots__ = ("parser", "text", "_content_sent", "_sent")
+    __slots__ = ("parser", "text", "_memo", "_content_sent", "_sent")
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text = ""
+        self._memo = ScanMemo()
         self._content_sent = 0
         self._sent: list[int] = []  # per announced call: how much of its arguments went out
 
@@ -77,7 +82,7 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.text += text
-        parsed = self.parser.parse(self.text, final)
+        parsed = self.parser.parse(self.text, final, self._memo)
         content = parsed.content[self._content_sent:]
         self._content_sent = len(parsed.content)
         deltas = []

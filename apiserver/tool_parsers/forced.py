@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from apiserver.tool_parsers.base import CallState, Parsed, ToolParser
 from apiserver.tool_parsers.json_calls import call_at
-from apiserver.tool_parsers.json_scan import NotJson, skip_ws
+from apiserver.tool_parsers.json_scan import NotJson, ScanMemo, skip_ws
 
 
 class NamedCallParser(ToolParser):
     def __init__(self, name: str):
         self.name = name
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         return Parsed("", [CallState(self.name, text.lstrip(), final)])
 
 
 class RequiredCallsParser(ToolParser):
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         calls: list[CallState] = []
         at = skip_ws(text, 0)
         if at >= len(text):
@@ -30,7 +30,7 @@ class RequiredCallsParser(ToolParser):
                 raise NotJson("expected '['")
             at = skip_ws(text, at + 1)
             while at < len(text) and text[at] != "]":
-                call, end = call_at(text, at)
+                call, end = call_at(text, at, memo)
                 calls.append(call)
                 if end is None:
                     break

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from apiserver.tool_parsers.base import CallState, Parsed, ToolParser, held_prefix, not_tool_calls
 from apiserver.tool_parsers.json_calls import call_at
-from apiserver.tool_parsers.json_scan import NotJson, skip_ws
+from apiserver.tool_parsers.json_scan import NotJson, ScanMemo, skip_ws
 
 START = "<tool_call>"
 
 
 class HermesParser(ToolParser):
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         first = text.find(START)
         if first < 0:
             return Parsed(text if final else text[:len(text) - held_prefix(text, START)], [])
@@ -23,7 +23,7 @@ class HermesParser(ToolParser):
                 start = skip_ws(text, at + len(START))
                 if start >= len(text):
                     break
-                call, end = call_at(text, start)
+                call, end = call_at(text, start, memo)
                 calls.append(call)
                 if end is None:
                     break

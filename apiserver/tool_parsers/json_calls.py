@@ -2,22 +2,25 @@
 and the array that `tool_choice: required` forces): one call's state from the object at a position of the text."""
 from __future__ import annotations
 
-import json
-
 from apiserver.tool_parsers.base import CallState
-from apiserver.tool_parsers.json_scan import NotJson, object_members
+from apiserver.tool_parsers.json_scan import NotJson, ScanMemo, decoded, object_members
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
-def call_at(text: str, start: int) -> tuple[CallState, int | None]:
-    """The call whose object starts at text[start], and where the object ends (None while it is open)."""
-    members, end = object_members(text, start)
+def call_at(text: str, start: int, memo: ScanMemo | None) -> tuple[CallState, int | None]:
+    """The call whose object starts at text[start], and where the object ends (None while it is open). `memo`:
+    the text's, when it is parsed again as it grows (None: it is parsed once)."""
+    memo = ScanMemo() if memo is None else memo
+    done = memo.calls.get(start)
+    if done is not None:
+        return done
+    members, end = object_members(text, start, memo)
     name = None
     if "name" in members:
         name_start, name_end = members["name"]
         if name_end is not None:
-            name = json.loads(text[name_start:name_end])
+            name = decoded(text[name_start:name_end])
             if not isinstance(name, str):
                 raise NotJson("the name of a tool call must be a string")
     arguments = ""
@@ -28,15 +31,18 @@ def call_at(text: str, start: int) -> tuple[CallState, int | None]:
     else:
         if end is not None:
             arguments = "{}"  # a call without arguments
-    if end is not None and name is None:
+    if end is None:
+        return CallState(name, arguments), None
+    if name is None:
         raise NotJson("a tool call needs a name")
-    return CallState(name, arguments, end is not None), end
+    memo.calls[start] = CallState(name, arguments, True), end
+    return memo.calls[start]
 
 
 def _arguments_text(text: str, start: int, end: int | None) -> str:
     """The arguments' JSON text so far. Arguments sent as a JSON string holding the JSON come out decoded, and
     only once complete (the escaped text is not a prefix of the decoded one)."""
     if text[start] == '"':
-        return json.loads(text[start:end]) if end is not None else ""
+        return decoded(text[start:end]) if end is not None else ""
     return text[start:end] if end is not None else text[start:]
 

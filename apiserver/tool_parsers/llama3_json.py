@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from apiserver.tool_parsers.base import CallState, Parsed, ToolParser, not_tool_calls
 from apiserver.tool_parsers.json_calls import call_at
-from apiserver.tool_parsers.json_scan import NotJson, skip_ws
+from apiserver.tool_parsers.json_scan import NotJson, ScanMemo, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonParser(ToolParser):
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         start = skip_ws(text, 0)
         if text.startswith(PYTHON_TAG, start):
             start = skip_ws(text, start + len(PYTHON_TAG))
@@ -23,7 +23,7 @@ class Llama3JsonParser(ToolParser):
         calls: list[CallState] = []
         try:
             while start < len(text):
-                call, end = call_at(text, start)
+                call, end = call_at(text, start, memo)
                 calls.append(call)
                 if end is None:
                     break

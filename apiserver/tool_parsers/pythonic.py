@@ -8,19 +8,19 @@ import json
 import re
 
 from apiserver.tool_parsers.base import CallState, Parsed, ToolParser, not_tool_calls
-from apiserver.tool_parsers.json_scan import skip_ws
+from apiserver.tool_parsers.json_scan import PYTHON, ScanMemo, container_end, skip_ws
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_OPEN, _CLOSE = "([{", ")]}"
 
 
 class PythonicParser(ToolParser):
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         at = skip_ws(text, 0)
         if at >= len(text):
             return Parsed(text if final else "", [])
         if text[at] != "[":
             return Parsed(text, [])
+        memo = ScanMemo() if memo is None else memo
         calls: list[CallState] = []
         try:
             at = skip_ws(text, at + 1)
@@ -33,11 +33,11 @@ class PythonicParser(ToolParser):
                     break
                 if text[paren] != "(":
                     raise ValueError("expected '('")
-                end = _call_end(text, paren)
+                end = container_end(text, paren, memo, PYTHON)
                 if end is None:
                     calls.append(CallState(name.group(), ""))
                     break
-                calls.append(CallState(name.group(), _arguments(text[at:end]), True))
+                calls.append(_complete_call(text, at, end, name.group(), memo))
                 at = skip_ws(text, end)
                 if at < len(text) and text[at] == ",":
                     at = skip_ws(text, at + 1)
@@ -48,27 +48,17 @@ class PythonicParser(ToolParser):
         return Parsed("", calls)
 
 
-def _call_end(text: str, paren: int) -> int | None:
-    """The end (exclusive) of the call whose '(' is at text[paren], None while it is open."""
-    depth = 0
-    i = paren
-    while i < len(text):
-        ch = text[i]
-        if ch in "'\"":
-            close = text.find(ch, i + 1)
-            while close > 0 and text[close - 1] == "\\":
-                close = text.find(ch, close + 1)
-            if close < 0:
-                return None
-            i = close
-        elif ch in _OPEN:
-            depth += 1
-        elif ch in _CLOSE:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+def _complete_call(text: str, at: int, end: int, name: str, memo: ScanMemo) -> CallState:
+    """The call text[at:end], parsed once: as the text grows after it, the memo keeps it, or why it is no call."""
+    if at in memo.not_json:
+        raise ValueError(memo.not_json[at])
+    if at not in memo.calls:
+        try:
+            memo.calls[at] = CallState(name, _arguments(text[at:end]), True),
+        except (ValueError, SyntaxError) as exc:
+            memo.not_json[at] = str(exc)
+            raise
+    return memo.calls[at][0]
 
 
 def _arguments(call_text: str) -> str:
