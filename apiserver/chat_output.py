@@ -2,14 +2,14 @@
 tool-call parser a request's tools and tool_choice need). Used only when a request has one of them: plain
 requests stream their text as it is.
 
-Whole answers parse the final text once; streams parse the text so far after every delta and send what grew
+Whole answers parse the final text once; streams take each delta as it comes and send what it adds
 (apiserver/tool_parsers/base.py says why that is consistent).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from apiserver.reasoning import split
+from apiserver.reasoning import ReasoningStream, split
 from apiserver.tool_parsers import ToolCallStream, ToolParser, tool_calls_json
 
 
@@ -44,15 +44,13 @@ def message(text: str, shape: OutputShape, finish_reason: str | None) -> tuple[d
 
 
 class StreamedMessage:
-    """One streamed choice: its text deltas in, the delta fields out."""
+    """One streamed choice: its text deltas in, the delta fields out. It keeps no more of the text than the
+    reasoning and tool-call streams need to decide what the next delta is."""
 
-    __slots__ = ("_shape", "_text", "_reasoning_sent", "_content_sent", "_tools")
+    __slots__ = ("_reasoning", "_tools")
 
     def __init__(self, shape: OutputShape):
-        self._shape = shape
-        self._text = ""
-        self._reasoning_sent = 0
-        self._content_sent = 0
+        self._reasoning = ReasoningStream(shape.opened) if shape.reasoning else None
         self._tools = None if shape.tool_parser is None else ToolCallStream(shape.tool_parser)
 
     @property
@@ -62,20 +60,15 @@ class StreamedMessage:
     def feed(self, text: str, final: bool) -> dict:
         """The delta's fields (reasoning_content, content, tool_calls) for what the output grew by."""
         fields: dict = {}
-        self._text += text
-        if self._shape.reasoning:
-            reasoning, content = split(self._text, self._shape.opened, final)
-            if len(reasoning) > self._reasoning_sent:
-                fields["reasoning_content"] = reasoning[self._reasoning_sent:]
-                self._reasoning_sent = len(reasoning)
-        else:
-            content = self._text
-        new_content = content[self._content_sent:]
-        self._content_sent = len(content)
+        content = text
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.feed(text, final)
+            if reasoning:
+                fields["reasoning_content"] = reasoning
         if self._tools is not None:
-            new_content, calls = self._tools.feed(new_content, final)
+            content, calls = self._tools.feed(content, final)
             if calls:
                 fields["tool_calls"] = calls
-        if new_content:
-            fields["content"] = new_content
+        if content:
+            fields["content"] = content
         return fields

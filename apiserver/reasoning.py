@@ -63,3 +63,65 @@ def split(text: str, opened: bool, final: bool) -> Split:
     if end < 0:
         return Split(text[at:] if final else text[at:len(text) - held_prefix(text, END)], "")
     return Split(text[at:end], text[end + len(END):].lstrip())
+
+
+class ReasoningStream:
+    """`split` for a streamed choice, delta by delta: what each delta adds to the reasoning and to the content,
+    what `split` of the text so far would give, without keeping that text. Only what may still become a tag is
+    held: split again after every delta, a long answer's text was copied and searched whole each time, its CPU
+    growing with the square of its length."""
+
+    __slots__ = ("_opened", "_phase", "_blank", "_held", "_content_begun")
+
+    def __init__(self, opened: bool):
+        self._opened = opened
+        self._phase = "start"  # then "reasoning" or "content"
+        self._blank: list[str] = []  # the output's leading whitespace, while it may still open <think>
+        self._held = ""  # the start phase: what follows that whitespace; the reasoning: what may begin </think>
+        self._content_begun = False  # the content after </think> goes out from its first non-whitespace
+
+    def feed(self, text: str, final: bool) -> Split:
+        if self._phase == "start":
+            return self._start(text, final)
+        if self._phase == "reasoning":
+            return self._reasoning(text, final)
+        return Split("", self._content(text))
+
+    def _start(self, text: str, final: bool) -> Split:
+        if not self._held:
+            rest = text.lstrip()
+            self._blank.append(text[:len(text) - len(rest)])
+            text = rest
+        head = self._held + text
+        if head.startswith(START):
+            self._phase = "reasoning"
+            self._held = ""
+            return self._reasoning(head[len(START):], final)
+        if not final and START.startswith(head):
+            self._held = head  # may still become the tag
+            return Split("", "")
+        whole = "".join(self._blank) + head
+        self._blank, self._held = [], ""
+        if self._opened:
+            self._phase = "reasoning"
+            return self._reasoning(whole, final)
+        self._phase = "content"
+        self._content_begun = True  # all of it is content, its leading whitespace too
+        return Split("", whole)
+
+    def _reasoning(self, text: str, final: bool) -> Split:
+        text = self._held + text
+        end = text.find(END)
+        if end >= 0:
+            self._phase = "content"
+            self._held = ""
+            return Split(text[:end], self._content(text[end + len(END):]))
+        hold = 0 if final else held_prefix(text, END)
+        self._held = text[len(text) - hold:] if hold else ""
+        return Split(text[:len(text) - hold], "")
+
+    def _content(self, text: str) -> str:
+        if not self._content_begun:
+            text = text.lstrip()
+            self._content_begun = bool(text)
+        return text

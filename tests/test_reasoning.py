@@ -2,6 +2,8 @@
 the reasoning, checked with llguidance's own matcher on token sequences; the token mask's two unpackers."""
 import functools
 import json
+import random
+import time
 
 import llguidance
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from apiserver.chat_output import OutputShape, StreamedMessage, message
-from apiserver.reasoning import ReasoningParser, split
+from apiserver.reasoning import ReasoningParser, ReasoningStream, split
 from apiserver.tool_parsers.hermes import HermesParser
 from enginecore.model_source import resolve_model
 from enginecore.structured_output import TokenMask
@@ -37,6 +39,43 @@ def test_split_whole_and_streamed(text, opened, reasoning, content):
             for key, value in streamed.feed(piece, final).items():
                 got[key] += value
         assert (got["reasoning_content"], got["content"]) == (reasoning, content), at
+
+
+REASONING_FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "<", "/", " ", "\n", "\u3000", "x", "Yes.", "think>"]
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_reasoning_stream_sends_what_splitting_the_text_so_far_gives(opened):
+    """ReasoningStream keeps only what may still become a tag; after every delta, what it sent in all must be
+    what `split` of the whole text so far gives."""
+    for seed in range(500):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(REASONING_FRAGMENTS) for _ in range(rng.randint(0, 10)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+        bounds = [0] + cuts + [len(text)]
+        stream, reasoning, content = ReasoningStream(opened), "", ""
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            final = b == len(text) and i == len(bounds) - 2
+            r, c = stream.feed(text[a:b], final)
+            reasoning, content = reasoning + r, content + c
+            assert (reasoning, content) == split(text[:b], opened, final), (seed, text, b)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_long_streamed_answer_with_reasoning_and_tools_costs_each_delta_about_its_own_length(opened):
+    """The streamed message kept the choice's whole text and split it after every delta, and the tool-call stream
+    its own copy: tenfold the text must not cost a hundred times as much."""
+    def seconds(kb: int) -> float:
+        prose = "the quick brown fox <jumps> over the lazy dog; " * (kb * 1024 // 47)
+        text = ("" if opened else "<think>") + prose + "</think>\n\n" + prose
+        streamed = StreamedMessage(OutputShape(True, opened, HermesParser()))
+        started = time.process_time()
+        for i in range(0, len(text), 4):
+            streamed.feed(text[i:i + 4], False)
+        return time.process_time() - started
+
+    short, long = min(seconds(8) for _ in range(3)), min(seconds(80) for _ in range(3))
+    assert long < 30 * short, f"{long:.3f} s for 10x the text of {short:.3f} s"
 
 
 def test_message_with_reasoning_then_a_tool_call():

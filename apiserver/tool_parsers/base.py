@@ -36,6 +36,13 @@ class ToolParser:
         """`memo`: what the scans of this text's shorter versions found (a streamed choice's); None: a new one."""
         raise NotImplementedError
 
+    def settled(self, text: str) -> int | None:
+        """For a stream without a call yet: how many leading characters of `text` are content whatever follows
+        (parsing the rest gives the rest of what parsing all of it gives), so that the stream need not keep them;
+        None: all of it, and all that follows (the output did not begin as calls). Kept whole, a long answer's
+        text was copied and searched whole after every delta."""
+        return 0
+
 
 def not_tool_calls(text: str, content: str, calls: list[CallState], final: bool) -> Parsed:
     """What was parsed when the text turned out not to be the tool calls it began as: the complete calls so far
@@ -65,28 +72,52 @@ def tool_calls_json(calls: list[CallState]) -> list[dict]:
 
 
 class ToolCallStream:
-    """One streamed choice: feed it each text delta, it answers the new content and the tool-call deltas."""
+    """One streamed choice: feed it each text delta, it answers the new content and the tool-call deltas. It keeps
+    the choice's text from where a call may begin (`ToolParser.settled`)."""
 
-    __slots__ = ("parser", "text", "_memo", "_content_sent", "_sent")
+    __slots__ = ("parser", "text", "_memo", "_content_sent", "_sent", "_all_content")
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text = ""
         self._memo = ScanMemo()
-        self._content_sent = 0
+        self._content_sent = 0  # of the text kept
         self._sent: list[int] = []  # per announced call: how much of its arguments went out
+        self._all_content = False
 
     @property
     def num_calls(self) -> int:
         return len(self._sent)
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if self._all_content:
+            return text, []
         self.text += text
+        content = self._settle() if not self._sent else ""
+        if self._all_content:
+            return content, []
         parsed = self.parser.parse(self.text, final, self._memo)
-        content = parsed.content[self._content_sent:]
+        content += parsed.content[self._content_sent:]
         self._content_sent = len(parsed.content)
-        deltas = []
-        for index, call in enumerate(parsed.calls):
+        return content, self._call_deltas(parsed.calls)
+
+    def _settle(self) -> str:
+        """Drops the text that is content for good, and answers what of it was not sent yet."""
+        settled = self.parser.settled(self.text)
+        if settled is None:
+            self._all_content = True
+            settled = len(self.text)
+        if not settled:
+            return ""
+        unsent = self.text[self._content_sent:settled]
+        self.text = self.text[settled:]
+        self._content_sent = max(0, self._content_sent - settled)
+        self._memo = ScanMemo()  # (its positions are in the text it scanned)
+        return unsent
+
+    def _call_deltas(self, calls: list[CallState]) -> list[dict]:
+        deltas: list[dict] = []
+        for index, call in enumerate(calls):
             if call.name is None:
                 break  # a later call cannot be announced before this one
             if index == len(self._sent):
@@ -101,4 +132,4 @@ class ToolCallStream:
                     deltas[-1]["function"]["arguments"] += piece
                 else:
                     deltas.append({"index": index, "function": {"arguments": piece}})
-        return content, deltas
+        return deltas

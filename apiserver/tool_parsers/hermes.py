@@ -31,3 +31,7 @@ class HermesParser(ToolParser):
         except NotJson:
             return not_tool_calls(text, content, calls, final)
         return Parsed(content, calls)
+
+    def settled(self, text: str) -> int | None:
+        first = text.find(START)
+        return first if first >= 0 else len(text) - held_prefix(text, START)

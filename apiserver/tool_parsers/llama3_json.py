@@ -11,10 +11,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolParser):
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
-        start = skip_ws(text, 0)
-        if text.startswith(PYTHON_TAG, start):
-            start = skip_ws(text, start + len(PYTHON_TAG))
-        elif not final and PYTHON_TAG.startswith(text[start:]):
+        start = _calls_start(text, final)
+        if start is None:
             return Parsed("", [])  # nothing yet, or what may still become the tag
         if start >= len(text):
             return Parsed(text if final else "", [])
@@ -35,3 +33,18 @@ class Llama3JsonParser(ToolParser):
         except NotJson:
             return not_tool_calls(text, "", calls, final)
         return Parsed("", calls)
+
+    def settled(self, text: str) -> int | None:
+        start = _calls_start(text, False)
+        return None if start is not None and start < len(text) and text[start] != "{" else 0
+
+
+def _calls_start(text: str, final: bool) -> int | None:
+    """Where the calls would begin: past whitespace and <|python_tag|>; None while the text may still become the
+    tag (not at the end)."""
+    start = skip_ws(text, 0)
+    if text.startswith(PYTHON_TAG, start):
+        return skip_ws(text, start + len(PYTHON_TAG))
+    if not final and PYTHON_TAG.startswith(text[start:]):
+        return None
+    return start

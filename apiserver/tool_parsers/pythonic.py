@@ -47,6 +47,10 @@ class PythonicParser(ToolParser):
             return not_tool_calls(text, "", calls, final)
         return Parsed("", calls)
 
+    def settled(self, text: str) -> int | None:
+        at = skip_ws(text, 0)
+        return None if at < len(text) and text[at] != "[" else 0
+
 
 def _complete_call(text: str, at: int, end: int, name: str, memo: ScanMemo) -> CallState:
     """The call text[at:end], parsed once: as the text grows after it, the memo keeps it, or why it is no call."""
