@@ -49,7 +49,7 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
                                  "set.", param="tool_choice")
         return ToolPlan(template_tools, None, TOOL_PARSERS[config.tool_call_parser]())
     if choice == "required":
-        calls = {"anyOf": [_call_schema(f) for f in functions.values()]}
+        calls = {"anyOf": [_call_schema(f, f"/items/anyOf/{i}") for i, f in enumerate(functions.values())]}
         array = {"type": "array", "minItems": 1, "items": calls}
         if request.parallel_tool_calls is False:
             array["maxItems"] = 1
@@ -61,10 +61,12 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
     return ToolPlan(template_tools, _grammar(_parameters(functions[name]), "tools"), NamedCallParser(name))
 
 
-def _call_schema(function) -> dict:
+def _call_schema(function, pointer: str) -> dict:
+    """A call of `function`, as the schema at `pointer` in the one that forces the calls."""
+    parameters = grammars.refs_rebased(_parameters(function), pointer + "/properties/parameters")
     return {
         "type": "object",
-        "properties": {"name": {"type": "string", "enum": [function.name]}, "parameters": _parameters(function)},
+        "properties": {"name": {"type": "string", "enum": [function.name]}, "parameters": parameters},
         "required": ["name", "parameters"],
         "additionalProperties": False,
     }

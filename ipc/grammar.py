@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ipc.messages import error_summary
@@ -253,27 +254,46 @@ class _Bytes:
 
 def closed_objects(schema: Any) -> Any:
     """A copy of `schema` where every object schema that lists properties and says nothing of others gets
-    additionalProperties false, through every keyword that holds schemas."""
+    additionalProperties false, through every keyword that holds schemas (but allOf: properties spread over its
+    members would make each member refuse the others', and the whole refuse everything)."""
     if not isinstance(schema, dict):
         return schema
-    closed = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub) for sub in closed[key]]
-    for key in _SCHEMA_VALUES:
-        if isinstance(closed.get(key), dict):
-            closed[key] = closed_objects(closed[key])
+    closed = _subschemas_mapped(schema, closed_objects, _SCHEMA_LISTS)
     if "properties" in closed and "additionalProperties" not in closed and "patternProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
 
 
+def refs_rebased(schema: Any, pointer: str) -> Any:
+    """A copy of `schema`, to be placed at `pointer` ("/items/anyOf/0", escaped) in a larger schema, whose own
+    references ("#", "#/$defs/City") point where its parts will then be: as it came, "#/$defs/City" in a tool's
+    parameters would be looked for at the root of the schema that forces the calls, and not found (a pydantic
+    model's schema refers to its nested models so)."""
+    if not isinstance(schema, dict):
+        return schema
+    rebased = _subschemas_mapped(schema, lambda sub: refs_rebased(sub, pointer), _SCHEMA_LISTS + ("allOf",))
+    ref = rebased.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        rebased["$ref"] = "#" + pointer + ref[1:]
+    return rebased
+
+
+def _subschemas_mapped(schema: dict[str, Any], mapped: Callable[[Any], Any], lists: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of `schema` with each schema it holds (under the keywords that hold schemas) `mapped`."""
+    copy = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(copy.get(key), dict):
+            copy[key] = {name: mapped(sub) for name, sub in copy[key].items()}
+    for key in lists:
+        if isinstance(copy.get(key), list):
+            copy[key] = [mapped(sub) for sub in copy[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(copy.get(key), dict):
+            copy[key] = mapped(copy[key])
+    return copy
+
+
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-# Not allOf: properties spread over its members would make each member refuse the others' (and the whole refuse
-# everything).
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "additionalItems")

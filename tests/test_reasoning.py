@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from apiserver.chat_output import OutputShape, StreamedMessage, message
+from apiserver.protocol import ChatCompletionRequest
 from apiserver.reasoning import ReasoningParser, ReasoningStream, split
+from apiserver.tool_choice import tool_plan
 from apiserver.tool_parsers.hermes import HermesParser
 from enginecore.model_source import resolve_model
 from enginecore.structured_output import TokenMask
 from ipc import grammar as grammars
+from ipc.config import ServeConfig
 
 CASES = [
     # (output, the prompt opened <think>, reasoning, content)
@@ -118,6 +121,19 @@ def test_structured_output_applies_after_the_reasoning():
     assert not _accepts(may_open, 'hm</think>{"a": 2}')
     # A model without <think> as one token is not offered the tag (it would take the "<" and never close it).
     assert ReasoningParser("qwen3", False).constrain(schema, opened=False) == schema
+
+
+def test_a_forced_calls_schema_keeps_each_tools_own_references():
+    """`tool_choice: required` puts each tool's parameters deep in the schema that forces the calls: their "#"
+    (the parameters themselves: a tree of nodes) must not mean that schema's root (an array of calls)."""
+    node = {"type": "object", "properties": {"n": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["n", "kids"]}
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required",
+                                    tools=[{"type": "function", "function": {"name": "tree", "parameters": node}}])
+    grammar = tool_plan(request, ServeConfig(model="m")).grammar
+    assert _accepts(grammar, '[{"name": "tree", "parameters": {"n": 1, "kids": [{"n": 2, "kids": []}]}}]')
+    assert not _accepts(grammar, '[{"name": "tree", "parameters": {"n": 1, "kids": [[{"name": "tree", '
+                                 '"parameters": {"n": 2, "kids": []}}]]}}]')
 
 
 def test_token_mask_unpacks_alike_on_cpu_and_on_an_accelerator():

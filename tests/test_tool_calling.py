@@ -6,6 +6,7 @@ import re
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 WEATHER = {
@@ -173,3 +174,33 @@ def test_a_call_whose_json_does_not_decode_is_content_not_a_500(client, model):
     chunks = list(client.chat.completions.create(**request, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == written
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_tools_from_pydantic_models_with_nested_models(client, model):
+    """The openai client's pydantic_function_tool writes a nested model as `$defs` and `$ref: "#/$defs/..."` at the
+    root of the parameters; the schema that forces the calls holds each tool's parameters deep inside it, where
+    those references found nothing (400 "Pointer '/$defs/City' does not exist"). Two tools define `City`
+    differently: each call must be valid against its own."""
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+
+    class Trip(pydantic.BaseModel):
+        origin: City
+        stops: list[City] = pydantic.Field(max_length=2)
+
+    class Zone(pydantic.BaseModel):  # another `City` in its own $defs
+        class City(pydantic.BaseModel):
+            code: int = pydantic.Field(ge=0, le=99)
+
+        city: City
+
+    models = {"Trip": Trip, "Zone": Zone}
+    tools = [openai.pydantic_function_tool(Trip), openai.pydantic_function_tool(Zone)]
+    assert all("$defs" in tool["function"]["parameters"] for tool in tools)
+    messages = [{"role": "user", "content": "Plan a trip from Paris."}]
+    for forced in ("required", {"type": "function", "function": {"name": "Zone"}}):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=forced,
+                                               parallel_tool_calls=False, max_tokens=200, temperature=0)
+        (call,) = reply.choices[0].message.tool_calls
+        models[call.function.name].model_validate_json(call.function.arguments)
+        assert reply.choices[0].finish_reason == "tool_calls"
