@@ -62,6 +62,9 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
         reason = error["ctx"]["error"]
         if "hex escape" in reason:  # jiter's words for a \uD800-\uDFFF escape without its other half
             reason += " (an escape from \\uD800 to \\uDFFF is half of a UTF-16 surrogate pair and needs its other half)"
+        if "recursion limit" in reason:  # valid JSON, past jiter's depth (about 200 arrays and objects)
+            return InvalidRequest(f"The request body nests arrays and objects deeper than this server reads (about "
+                                  f"200 levels): {reason}.")
         return InvalidRequest(f"The request body is not valid JSON: {reason}")
     if kind == "model_type" and not error["loc"]:
         return InvalidRequest("The request body must be a JSON object.")

@@ -115,6 +115,16 @@ def test_a_lone_surrogate_escape_is_named(http):
     assert "surrogate pair" in error["message"]
 
 
+def test_json_nested_past_the_parsers_depth_is_named(http):
+    """A JSON schema nested 150 objects deep is valid JSON: the 400 says it is too deep, not that it is invalid."""
+    schema = '{"type": "object", "properties": {"x": ' * 150 + '{"type": "string"}' + "}}" * 150
+    body = ('{"model": "sim:2", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+            '"json_schema", "json_schema": {"name": "deep", "schema": ' + schema + "}}}")
+    error = assert_error(http.post("/v1/chat/completions", content=body,
+                                   headers={"content-type": "application/json"}), 400)
+    assert "deeper" in error["message"] and "not valid JSON" not in error["message"]
+
+
 def test_null_is_the_default_where_openai_says_or_null(http):
     """SDKs that write every field send null for what was left unset: each such field reads as left out."""
     nulls = dict.fromkeys(("n", "stream", "logprobs", "ignore_eos", "min_tokens", "priority", "skip_special_tokens",
