@@ -9,6 +9,8 @@ import openai
 import pydantic
 import pytest
 
+from tests.conftest import HERMES_TEMPLATE
+
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -174,6 +176,23 @@ def test_a_call_whose_json_does_not_decode_is_content_not_a_500(client, model):
     chunks = list(client.chat.completions.create(**request, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == written
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_pythonic_call_pythons_parser_cannot_take_is_content_not_a_500(start_supervise):
+    """`a=------1` as a pythonic call's argument: Python's parser raised MemoryError (a chain of operators past its
+    stack), which escaped the tool-call parser: the whole answer was a 500 and the stream ended in an error."""
+    server = start_supervise("--chat-template", HERMES_TEMPLATE, "--enable-auto-tool-choice",
+                             "--tool-call-parser", "pythonic")
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    written = "[get_weather(city=" + "-" * 3000 + "1)]"
+    request = dict(model=client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=3100,
+                   extra_body={"structured_outputs": {"regex": re.escape(written)}})
+    message = client.chat.completions.create(**request).choices[0].message
+    assert message.content == written and not message.tool_calls
+    # Streamed, the call was announced at its "(" and stays sent (as in vLLM); the text follows as content.
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == written
+    assert chunks[-1].choices[0].finish_reason in ("stop", "tool_calls")
 
 
 def test_required_tools_from_pydantic_models_with_nested_models(client, model):

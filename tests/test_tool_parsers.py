@@ -118,6 +118,9 @@ NOT_JSON = [
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2}}\n</tool_call>'),
     ("pythonic", "[f(a=[1, 2)]"),
     ("pythonic", "[f(1, 2), g()]"),
+    # Python's parser raised MemoryError and RecursionError on these, out of the parser
+    ("pythonic", "[f(a=" + "-" * 5000 + "1)]"),
+    ("pythonic", "[f(a=" + "1+" * 5000 + "1)]"),
 ]
 
 

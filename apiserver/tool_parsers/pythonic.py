@@ -11,6 +11,10 @@ from apiserver.tool_parsers.base import CallState, Parsed, ToolParser, not_tool_
 from apiserver.tool_parsers.json_scan import PYTHON, ScanMemo, container_end, skip_ws
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+# What Python's parser raises on text that is no call: besides syntax errors, MemoryError ("parser stack
+# overflow") and RecursionError for a long chain of operators, `a=-----...1` or `a=1+1+...` (they escaped the
+# parser, and the answer was a 500).
+_NOT_A_CALL = (ValueError, SyntaxError, MemoryError, RecursionError)
 
 
 class PythonicParser(ToolParser):
@@ -43,7 +47,7 @@ class PythonicParser(ToolParser):
                     at = skip_ws(text, at + 1)
                 elif at < len(text) and text[at] != "]":
                     raise ValueError("expected ',' or ']'")
-        except (ValueError, SyntaxError):
+        except _NOT_A_CALL:
             return not_tool_calls(text, "", calls, final)
         return Parsed("", calls)
 
@@ -59,7 +63,7 @@ def _complete_call(text: str, at: int, end: int, name: str, memo: ScanMemo) -> C
     if at not in memo.calls:
         try:
             memo.calls[at] = CallState(name, _arguments(text[at:end]), True),
-        except (ValueError, SyntaxError) as exc:
+        except _NOT_A_CALL as exc:
             memo.not_json[at] = str(exc)
             raise
     return memo.calls[at][0]
