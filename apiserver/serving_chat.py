@@ -22,7 +22,7 @@ from apiserver.protocol import ChatCompletionRequest
 from apiserver.reasoning import START, ReasoningParser
 from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
 from apiserver.serving import GenerationServing
-from apiserver.structured_outputs import checked, requested_grammar
+from apiserver.structured_outputs import checked, requested_grammar, schema_grammar
 from apiserver.tool_choice import tool_plan
 from apiserver.usage import usage
 from apiserver.validation import parse_request_body
@@ -49,7 +49,7 @@ class ChatServing(GenerationServing):
         ctx = self.ctx
         tools = tool_plan(req, ctx.config)
         grammar = await requested_grammar(req, ctx.grammars, ctx.config.max_structured_output_choices)
-        if grammar is not None and tools.grammar is not None:
+        if grammar is not None and tools.schema is not None:
             raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `response_format` or "
                                  "`structured_outputs`.", param="tool_choice")
         prompt = await render_chat(
@@ -63,13 +63,13 @@ class ChatServing(GenerationServing):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = max_tokens_for(len(prompt), requested, ctx.model.max_model_len, "messages")
         shape = self._output_shape(prompt, tools.parser)
-        if tools.grammar is not None:
-            grammar = tools.grammar
+        if tools.schema is not None:
+            grammar = await schema_grammar(tools.schema, ctx.grammars, "tools")
         grammar_param = None
         if grammar is not None:
             if shape is not None and shape.reasoning:
                 grammar = self.reasoning.constrain(grammar, shape.opened)
-            grammar_param = ("tools" if tools.grammar is not None else
+            grammar_param = ("tools" if tools.schema is not None else
                              "structured_outputs" if req.structured_outputs is not None else "response_format")
             grammar = await checked(grammar, grammar_param, ctx.grammars)
         top_n = req.top_logprobs or 0

@@ -130,7 +130,7 @@ def test_a_forced_calls_schema_keeps_each_tools_own_references():
             "required": ["n", "kids"]}
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required",
                                     tools=[{"type": "function", "function": {"name": "tree", "parameters": node}}])
-    grammar = tool_plan(request, ServeConfig(model="m")).grammar
+    grammar = grammars.json_schema_grammar(tool_plan(request, ServeConfig(model="m")).schema)
     assert _accepts(grammar, '[{"name": "tree", "parameters": {"n": 1, "kids": [{"n": 2, "kids": []}]}}]')
     assert not _accepts(grammar, '[{"name": "tree", "parameters": {"n": 1, "kids": [[{"name": "tree", '
                                  '"parameters": {"n": 2, "kids": []}}]]}}]')

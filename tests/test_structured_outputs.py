@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from apiserver.structured_outputs import INLINE_SCHEMA_BYTES
 from tests.hostile_grammars import ref_chain, rule_chain
 
 PERSON = {
@@ -50,6 +51,31 @@ def test_chat_json_schema_whole_and_streamed(client, model):
     text, finish = _streamed_chat(client.chat.completions.create(temperature=1.0, seed=5, stream=True, **args))
     jsonschema.validate(json.loads(text), PERSON)
     assert finish == "stop"
+
+
+def _large(schema: dict) -> dict:
+    """`schema`, past INLINE_SCHEMA_BYTES of JSON by a description: built by a grammar checker, not inline."""
+    return {**schema, "description": "x" * (INLINE_SCHEMA_BYTES + 1)}
+
+
+def test_a_large_schema_is_built_off_the_event_loop_and_holds(client, model):
+    """A schema of 64 KB or more is built in a checker's process (a 6 MB one held the event loop 0.9 s): its
+    output holds to it, for a response_format and for a forced tool call alike, and a bad one is the same 400."""
+    reply = client.chat.completions.create(
+        model=model, messages=ASK_PERSON, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": _large(PERSON)}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    tool = {"type": "function", "function": {"name": "person", "parameters": _large(PERSON)}}
+    reply = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=40, temperature=0,
+                                           tools=[tool], tool_choice="required")
+    jsonschema.validate(json.loads(reply.choices[0].message.tool_calls[0].function.arguments), PERSON)
+    for fields, param in (({"response_format": {"type": "json_schema", "json_schema": {
+                               "name": "x", "schema": _large({"type": "bogus"})}}}, "response_format"),
+                          ({"tools": [{**tool, "function": {"name": "f", "parameters": _large({"type": "bogus"})}}],
+                            "tool_choice": "required"}, "tools")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=4, extra_body=fields)
+        assert caught.value.body["param"] == param and "bogus" in caught.value.body["message"]
 
 
 def test_n_choices_with_a_seed_each_valid_and_reproducible(client, model):
