@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from apiserver.chat_output import OutputShape, StreamedMessage, message
 from apiserver.tool_parsers import TOOL_PARSERS, ToolCallStream
 from apiserver.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from apiserver.tool_parsers.json_scan import ScanMemo
@@ -230,3 +231,31 @@ def test_long_streamed_content_costs_each_delta_about_its_own_length(name):
 
     short, long = min(seconds(16) for _ in range(3)), min(seconds(160) for _ in range(3))
     assert long < 30 * short, f"{long:.3f} s for 10x the text of {short:.3f} s"
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+@pytest.mark.parametrize("name", FRAGMENTS)
+def test_a_streamed_message_adds_up_to_the_whole_answer(name, reasoning):
+    """Random outputs in random pieces, through the stream's reasoning and tool-call parsing: its content,
+    reasoning and calls are the whole answer's (a stream may also keep a call it announced before its text broke,
+    as vLLM's does). An output that ended at `<tool_call>` was content whole, and lost the tag streamed."""
+    fragments = FRAGMENTS[name] + ["<think>", "</think>", "\n\n"]
+    for seed in range(600):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 10)))
+        shape = OutputShape(reasoning, False, _parser(name))
+        whole, _ = message(text, shape, "stop")
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 5)))) if len(text) > 1 else []
+        bounds = [0] + cuts + [len(text)]
+        streamed, got, calls = StreamedMessage(shape), {"content": "", "reasoning_content": ""}, {}
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            fields = streamed.feed(text[a:b], i == len(bounds) - 2)
+            for key in got:
+                got[key] += fields.get(key, "")
+            for delta in fields.get("tool_calls", []):
+                call = calls.setdefault(delta["index"], [delta["function"].get("name"), ""])
+                call[1] += delta["function"]["arguments"]
+        whole_calls = [[c["function"]["name"], c["function"]["arguments"]] for c in whole.get("tool_calls", [])]
+        assert (got["content"] or None) == (whole["content"] or None), (seed, text, cuts)
+        assert (got["reasoning_content"] or None) == whole.get("reasoning_content"), (seed, text, cuts)
+        assert list(calls.values())[:len(whole_calls)] == whole_calls, (seed, text, cuts)

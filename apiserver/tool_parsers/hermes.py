@@ -30,6 +30,8 @@ class HermesParser(ToolParser):
                 at = text.find(START, end)
         except NotJson:
             return not_tool_calls(text, content, calls, final)
+        if final and not calls:  # a tag the output ended at: text, as the whole answer reads it
+            return Parsed(text, [])
         return Parsed(content, calls)
 
     def settled(self, text: str) -> int | None:
