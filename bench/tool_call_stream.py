@@ -45,7 +45,7 @@ def answers(size: int) -> dict[str, tuple]:
     """Reasoning, then content without calls, `size` characters of each."""
     prose = "The quick brown fox [jumps] {over} the <lazy> dog; " * (size // 51)
     text = f"<think>{prose}</think>\n\n{prose}"
-    return {name: (parser, text) for name, (parser, _) in calls(64).items() if name != "required"}
+    return {name: (TOOL_PARSERS[name](), text) for name in ("hermes", "llama3_json", "pythonic")}
 
 
 def per_delta_us(parser, text: str, reasoning: bool) -> float:
