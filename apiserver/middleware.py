@@ -20,6 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from apiserver.errors import (REQUEST_ID_SCOPE_KEY, ApiError, LargeBodiesFull, RequestTooLarge, Unauthorized, error_body,
                               error_response)
+from apiserver.large_body_budget import LargeBodyBudget
 from apiserver.metrics import Metrics
 from apiserver.validation import LARGE_BODY_BYTES
 from ipc.config import ServeConfig
@@ -83,11 +84,10 @@ class BodyLimitMiddleware:
     connections held every large body off with 503 for as long as they trickled). One alone always passes;
     small bodies never count."""
 
-    def __init__(self, app, limit: int, large_limit: int = 0):
+    def __init__(self, app, limit: int, large_bodies: LargeBodyBudget):
         self.app = app
         self._limit = limit
-        self._large_limit = large_limit  # 0: none
-        self._large_held = 0  # bytes read of large bodies, counted by requests in flight
+        self._large = large_bodies
 
     def _too_large(self) -> RequestTooLarge:
         return RequestTooLarge(
@@ -97,13 +97,8 @@ class BodyLimitMiddleware:
 
     def _full(self, size: int, own: int = 0) -> LargeBodiesFull | None:
         """The refusal of `size` more bytes for a body that counts `own` already, if they would pass the limit."""
-        held = self._large_held
-        if held > own and held + size > self._large_limit:
-            return LargeBodiesFull(
-                f"This server holds {held / 2**20:.0f} MB of large request bodies already, with its limit at "
-                f"{self._large_limit // 2**20} MB (--max-large-request-bodies-mb); retry later.",
-                code="large_request_bodies_full")
-        return None
+        refusal = self._large.refusal(size, own)
+        return None if refusal is None else LargeBodiesFull(refusal, code="large_request_bodies_full")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -116,7 +111,7 @@ class BodyLimitMiddleware:
                 length = int(value)
                 if length > limit:
                     return await error_response(self._too_large())(scope, receive, send)
-                if length < LARGE_BODY_BYTES or not self._large_limit:
+                if length < LARGE_BODY_BYTES or not self._large.limit:
                     return await self.app(scope, receive, send)
                 if full := self._full(length):
                     return await error_response(full)(scope, receive, send)
@@ -130,17 +125,17 @@ class BodyLimitMiddleware:
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise self._too_large()  # from the route's `await request.body()`: its handlers answer
-                if received >= LARGE_BODY_BYTES and self._large_limit:
+                if received >= LARGE_BODY_BYTES and self._large.limit:
                     if full := self._full(received - counted, counted):
                         raise full  # (answered from there too)
-                    self._large_held += received - counted
+                    self._large.take(received - counted)
                     counted = received
             return message
 
         try:
             await self.app(scope, counted_receive, send)
         finally:
-            self._large_held -= counted
+            self._large.give(counted)
 
 
 class ApiKeyMiddleware:
@@ -231,7 +226,7 @@ def middleware_stack(config: ServeConfig) -> list[Middleware]:
             allow_credentials=config.allow_credentials,
         ))
     stack.append(Middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
-                            large_limit=config.max_large_request_bodies_mb * 2**20))
+                            large_bodies=LargeBodyBudget(config.max_large_request_bodies_mb)))
     api_key = api_key_of(config)
     if api_key:
         stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))

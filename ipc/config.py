@@ -65,7 +65,8 @@ class ServeConfig:
     # MB of large request bodies (apiserver.validation.LARGE_BODY_BYTES and up) one API server holds at once, by
     # bytes read, until their requests end: the requests they make weigh some 27 times as much while they are
     # parsed and rendered (a chat of 250,000 empty messages, 7.9 MB, held about 210 MB: bench/large_bodies.py), so
-    # a client sending many at once could take an API server out of memory. A body past it gets 503. 0: no limit.
+    # a client sending many at once could take an API server out of memory. A body past it gets 503 (gRPC request
+    # messages: RESOURCE_EXHAUSTED). 0: no limit.
     max_large_request_bodies_mb: int = 32
     # The most bytes of URL and header lines one request may send (431 past it): httptools has no limit of its
     # own (nginx allows 32 KB, Node 16 KB).

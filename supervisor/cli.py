@@ -227,7 +227,8 @@ def _positive(click_context, param, value):
               type=click.IntRange(0),
               help="MB of request bodies of 1 MiB or more one API server holds at once, counted as their bytes "
                    "are read, until their requests end (a parsed chat of many messages weighs some 27 times its "
-                   "body); a body past it gets HTTP 503, unread when its Content-Length says so. 0: no limit.")
+                   "body); a body past it gets HTTP 503, unread when its Content-Length says so. With --grpc: "
+                   "request messages, and RESOURCE_EXHAUSTED. 0: no limit.")
 @click.option("--max-request-header-bytes", default=_DEFAULTS.max_request_header_bytes, show_default=True,
               type=click.IntRange(1024), help="Most bytes of URL and header lines one request may send; more get HTTP "
                                               "431 and the connection closes.")

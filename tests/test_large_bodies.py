@@ -4,13 +4,15 @@ cannot take an API server out of memory (fifty 7.6 MB chats held 1.1 GB at once,
 messages 1.7 GB; nothing refused any). Bytes declared but not sent hold nothing, and small bodies never count."""
 import json
 import socket
-import subprocess
 import time
 
+import grpc
 import httpx
 import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from tests.supervise_process import SUPERVISE, Supervise
+from tests.grpc_support import GrpcSupervise, error_of
+from tests.supervise_process import Supervise
 
 MB = 2**20
 
@@ -143,9 +145,35 @@ def test_a_declared_body_is_refused_when_its_bytes_read_pass_the_limit(server):
     assert status == 200, answer
 
 
-def test_the_limit_is_refused_with_grpc():
-    """gRPC takes whole messages (grpcio, --max-request-body-bytes): the HTTP limit would mean nothing there."""
-    result = subprocess.run([SUPERVISE, "--grpc", "--max-large-request-bodies-mb", "16", "--port", "0"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "--max-large-request-bodies-mb applies to the HTTP API" in result.stderr
+def _large_call(prompt_text_bytes: int, max_tokens: int):
+    """A streamed Generate whose message weighs about `prompt_text_bytes` (its `original_text`, which this server
+    does not read), of a short prompt."""
+    return pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=[1, 9690, 198], original_text="x" * prompt_text_bytes), stream=True,
+        sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0),
+    )
+
+
+def test_grpc_messages_count_until_their_calls_end():
+    """With --grpc the limit holds whole request messages (grpcio parses each as it arrives): a 6 MB message
+    whose call runs holds 6 MB of the 8, so another gets RESOURCE_EXHAUSTED unparsed, and passes once the first
+    call was cancelled; a small one passes throughout."""
+    with GrpcSupervise("--model", "sim:10", "--max-large-request-bodies-mb", "8") as group:
+        group.wait_serving()
+        stub = group.stub()
+        holder = stub.Generate(_large_call(6 * MB, max_tokens=2000))
+        assert next(holder).chunk.token_ids  # running: its message is held
+        error = error_of(lambda: stub.Generate(_large_call(6 * MB, max_tokens=1)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert "--max-large-request-bodies-mb" in error.details() and "holds 6 MB" in error.details(), error.details()
+        assert list(stub.Generate(_large_call(100_000, max_tokens=1)))[-1].complete.finish_reason == "length"
+        holder.cancel()
+        deadline = time.monotonic() + 10
+        while True:  # the cancelled call ends on the server's loop, soon after
+            try:
+                answer = list(stub.Generate(_large_call(6 * MB, max_tokens=1)))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        assert answer[-1].complete.finish_reason == "length"

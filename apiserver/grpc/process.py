@@ -29,6 +29,7 @@ from apiserver.engine_watch import watch_engines
 from apiserver.grpc.metrics_http import serve_metrics
 from apiserver.grpc.registration import NOT_SERVING, SERVICE_NAME, SERVING, add_services
 from apiserver.grpc.servicer import VllmEngineService
+from apiserver.large_body_budget import LargeBodyBudget
 from apiserver.metrics import Metrics
 from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT, enter_process
 from apiserver.server import StopSignals, beat_forever
@@ -96,7 +97,8 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
         server = grpc.aio.server(
             options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes))
         )
-        health.servicer = add_services(server, VllmEngineService(ctx))
+        health.servicer = add_services(server, VllmEngineService(ctx),
+                                       LargeBodyBudget(config.max_large_request_bodies_mb))
         await health.servicer.set(SERVICE_NAME, SERVING)
         host = f"[{config.host}]" if ":" in config.host else config.host
         server.add_insecure_port(f"{host}:{config.port}")

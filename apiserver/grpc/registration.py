@@ -1,11 +1,11 @@
 """The services on the gRPC server: VllmEngine (every method of the published proto, read from its descriptor),
 the standard health service and server reflection, so grpcurl-style tools and Kubernetes gRPC probes work.
 
-The request deserializers never raise: grpcio would answer a message that does not parse with UNKNOWN, while
-it is the client's mistake (INVALID_ARGUMENT); the handler gets a `Malformed` and says so. grpcio's own health
-and reflection services parse with raising deserializers too: their handlers are registered here instead of by
-grpcio's generated `add_*Servicer_to_server`, each with a tolerant deserializer and a wrapper that ends the call
-INVALID_ARGUMENT on a `Malformed` before grpcio's servicer sees it.
+Every method reads its messages with apiserver/grpc/messages.py's deserializer, which never raises and counts
+large messages. grpcio's own health and reflection services parse with raising deserializers: their handlers are
+registered here instead of by grpcio's generated `add_*Servicer_to_server`, each with our deserializer and a
+wrapper that ends the call with the status of a refused message (INVALID_ARGUMENT for one that does not parse)
+before grpcio's servicer sees it, and hands it the message itself.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import inspect
 
 import grpc
 from google.protobuf import message_factory
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from apiserver.grpc.servicer import Malformed, VllmEngineService
+from apiserver.grpc.messages import request_reader, unwrapped
+from apiserver.grpc.servicer import VllmEngineService
+from apiserver.grpc.status import RpcError
+from apiserver.large_body_budget import LargeBodyBudget
 
 SERVICE = pb.DESCRIPTOR.services_by_name["VllmEngine"]
 SERVICE_NAME = SERVICE.full_name  # vllm.grpc.engine.VllmEngine
@@ -26,17 +28,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _tolerant(parse):
-    def deserialize(data: bytes):
-        try:
-            return parse(data)
-        except (DecodeError, ValueError) as exc:
-            return Malformed(exc)
-
-    return deserialize
-
-
-def _method_handlers(service: VllmEngineService) -> dict:
+def _method_handlers(service: VllmEngineService, budget: LargeBodyBudget) -> dict:
     handlers = {}
     for method in SERVICE.methods:
         request_type = message_factory.GetMessageClass(method.input_type)
@@ -44,21 +36,23 @@ def _method_handlers(service: VllmEngineService) -> dict:
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             getattr(service, method.name),
-            request_deserializer=_tolerant(request_type.FromString),
+            request_deserializer=request_reader(request_type.FromString, budget),
             response_serializer=response_type.SerializeToString,
         )
     return handlers
 
 
-def add_services(server: grpc.aio.Server, service: VllmEngineService) -> health.aio.HealthServicer:
-    """Registers everything on `server`; returns the health servicer, whose status the caller keeps current."""
-    _register(server, SERVICE_NAME, _method_handlers(service))
+def add_services(server: grpc.aio.Server, service: VllmEngineService,
+                 budget: LargeBodyBudget) -> health.aio.HealthServicer:
+    """Registers everything on `server`, their large messages held to `budget`; returns the health servicer,
+    whose status the caller keeps current."""
+    _register(server, SERVICE_NAME, _method_handlers(service, budget))
     health_servicer = health.aio.HealthServicer()
-    _register_refusing_malformed(server, health_pb2_grpc.add_HealthServicer_to_server, health_servicer)
+    _register_refusing(server, health_pb2_grpc.add_HealthServicer_to_server, health_servicer, budget)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection_servicer = reflection.aio.ReflectionServicer((SERVICE_NAME, health_name, reflection.SERVICE_NAME))
-    _register_refusing_malformed(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
-                                 reflection_servicer)
+    _register_refusing(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection_servicer,
+                       budget)
     return health_servicer
 
 
@@ -67,7 +61,7 @@ def _register(server: grpc.aio.Server, name: str, handlers: dict) -> None:
     server.add_registered_method_handlers(name, handlers)  # looked up without a generic handler's walk
 
 
-# grpcio's services, registered with tolerant deserializers.
+# grpcio's services, registered with our deserializer.
 class _Collected:
     """Stands in for the server while a generated `add_*Servicer_to_server` registers: keeps its handlers."""
 
@@ -81,26 +75,26 @@ class _Collected:
         self.services[name] = handlers
 
 
-def _register_refusing_malformed(server: grpc.aio.Server, add_to_server, servicer) -> None:
+def _register_refusing(server: grpc.aio.Server, add_to_server, servicer, budget: LargeBodyBudget) -> None:
     collected = _Collected()
     add_to_server(servicer, collected)
     for name, handlers in collected.services.items():
-        _register(server, name, {method: _refusing_malformed(handler) for method, handler in handlers.items()})
+        _register(server, name, {method: _refusing(handler, budget) for method, handler in handlers.items()})
 
 
-def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """`handler` with a tolerant deserializer, its behaviour behind a check of each message it reads."""
+def _refusing(handler: grpc.RpcMethodHandler, budget: LargeBodyBudget) -> grpc.RpcMethodHandler:
+    """`handler` with our deserializer, its behaviour behind a check of each message it reads."""
     kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
     behavior = getattr(handler, kind)
     if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
         return handler  # a synchronous default (UNIMPLEMENTED) reads nothing
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
+    return handler._replace(request_deserializer=request_reader(handler.request_deserializer, budget),
                             **{kind: _checked_behavior(behavior, handler.request_streaming)})
 
 
 def _checked_behavior(behavior, request_streaming: bool):
     """The same kind of callable as `behavior` (grpcio tells a coroutine from an async generator), which hands it
-    only messages that parsed."""
+    only messages that were not refused, unwrapped (their wrappers live in these frames to the call's end)."""
     if inspect.isasyncgenfunction(behavior):
         async def streaming(request, context):
             async for response in behavior(await _checked(request, context, request_streaming), context):
@@ -115,19 +109,19 @@ def _checked_behavior(behavior, request_streaming: bool):
 
 
 async def _checked(request, context, request_streaming: bool):
-    """The request, or for a request stream the stream with each message checked as it is read."""
+    """The message, or for a request stream the stream with each message checked as it is read."""
     if request_streaming:
         return _checked_stream(request, context)
-    await _refuse_if_malformed(request, context)
-    return request
+    return await _message_of(request, context)
 
 
 async def _checked_stream(requests, context):
     async for request in requests:
-        await _refuse_if_malformed(request, context)
-        yield request
+        yield await _message_of(request, context)
 
 
-async def _refuse_if_malformed(request, context) -> None:
-    if isinstance(request, Malformed):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
+async def _message_of(request, context):
+    try:
+        return unwrapped(request)
+    except RpcError as refused:
+        await context.abort(refused.code, refused.message)

@@ -23,19 +23,13 @@ from apiserver.context import ServerContext
 from apiserver.engine_errors import EngineDeadError
 from apiserver.grpc.generate import RunningRequests, generate
 from apiserver.grpc.info import TokenizerBundle, loads, model_info, server_info
+from apiserver.grpc.messages import unwrapped
 from apiserver.grpc.request import constrain, parse_generate
-from apiserver.grpc.status import Code, RpcError, as_rpc_error, invalid_argument
+from apiserver.grpc.status import Code, RpcError, as_rpc_error
 
 log = logging.getLogger(__name__)
 
 UTILITY_TIMEOUT = 10.0
-
-
-class Malformed:
-    """What the request deserializer hands on instead of raising (grpcio would answer INTERNAL)."""
-
-    def __init__(self, error: Exception):
-        self.error = error
 
 
 class VllmEngineService:
@@ -50,8 +44,9 @@ class VllmEngineService:
 
     # Generation.
     async def Generate(self, request, context):
-        async with _Call(self, request, context) as metadata:
-            call = parse_generate(request, metadata, self.ctx.model, self.ctx.config.max_logprob_entries)
+        async with _Call(self, request, context) as received:
+            request = received.message
+            call = parse_generate(request, received.metadata, self.ctx.model, self.ctx.config.max_logprob_entries)
             self._check_engine()
             await constrain(call, self.ctx.grammars, self.ctx.config.max_structured_output_choices)
             if call.request_id != request.request_id:
@@ -140,8 +135,8 @@ class VllmEngineService:
 
     async def _answer(self, request, context, produce, open_to_all: bool = False):
         """A unary call: produce its answer (a value or an awaitable) from the request."""
-        async with _Call(self, request, context, open_to_all):
-            answer = produce(request)
+        async with _Call(self, request, context, open_to_all) as received:
+            answer = produce(received.message)
             return await answer if asyncio.iscoroutine(answer) else answer
 
     async def _unimplemented(self, context, message: str) -> None:
@@ -151,11 +146,13 @@ class VllmEngineService:
 
 
 class _Call:
-    """Around every call (`async with`, giving the call's metadata as a dict): refuse a malformed message or a
-    missing API key, end the call with the status of what went wrong, and count the status. A class rather than
-    an @asynccontextmanager: it runs for every call, and a generator-based one costs several times more."""
+    """Around every call (`async with`, giving itself: the call's `message` and its `metadata` as a dict): refuse a
+    message its deserializer refused (apiserver/grpc/messages.py) or a missing API key, end the call with the
+    status of what went wrong, and count the status. It keeps what the deserializer gave to the call's end (a large
+    message's budget with it). A class rather than an @asynccontextmanager: it runs for every call, and a
+    generator-based one costs several times more."""
 
-    __slots__ = ("_service", "_request", "_context", "_open")
+    __slots__ = ("_service", "_request", "_context", "_open", "message", "metadata")
 
     def __init__(self, service: VllmEngineService, request, context, open_to_all: bool = False):
         self._service = service
@@ -163,14 +160,16 @@ class _Call:
         self._context = context
         self._open = open_to_all
 
-    async def __aenter__(self) -> dict:
-        if isinstance(self._request, Malformed):
-            await self._end(invalid_argument(f"malformed request message: {self._request.error}"))
-        metadata = dict(self._context.invocation_metadata() or ())
-        if not self._open and not self._service.authorized(metadata):
+    async def __aenter__(self) -> _Call:
+        try:
+            self.message = unwrapped(self._request)
+        except RpcError as refused:
+            await self._end(refused)
+        self.metadata = dict(self._context.invocation_metadata() or ())
+        if not self._open and not self._service.authorized(self.metadata):
             await self._end(RpcError(Code.UNAUTHENTICATED, "missing or invalid API key: send `authorization: Bearer "
                                                            "<key>` metadata"))
-        return metadata
+        return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
