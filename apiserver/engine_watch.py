@@ -3,7 +3,8 @@ is answered again, and the server stops itself when an engine is gone for good.
 
 The supervisor notices a local engine's death first (its sentinel), and a remote rank's loss (its node's
 supervisor says so, or falls silent: supervisor/registration.py), and marks it in shared memory; the pings are
-for what the supervisor cannot see: an engine that stopped answering without exiting (SIGSTOP, a wedged step).
+for an engine that stopped answering without exiting (SIGSTOP, a wedged step). The supervisor that started it
+pings it too and kills it then (supervisor/engine_liveness.py), so that it is handled as any engine's death.
 An engine answers pings from its I/O thread while a step runs (enginecore/engine_io.py), so a long step is no miss;
 one past --engine-step-timeout is, on purpose. A ping is missed when it is not answered within the interval
 (--engine-ping-interval). One miss already turns /health to 503, so a load balancer stops sending here
@@ -18,10 +19,10 @@ import time
 
 from apiserver.engine_client import EngineClient
 from apiserver.engine_errors import EngineDeadError
+from ipc.config import MISSED_PINGS_FOR_GONE
 
 log = logging.getLogger(__name__)
 
-MISSED_PINGS_FOR_GONE = 3
 
 
 async def watch_engines(engine: EngineClient, interval: float, on_gone, sync=None) -> None:

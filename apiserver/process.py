@@ -46,6 +46,16 @@ def enter_process(launch: ApiServerLaunch):
     return stop, group
 
 
+async def reach_engines(engine) -> None:
+    """Ping every engine not down before serving; one that does not answer in time stops this server with one
+    line (the supervisor, which pings its engines too, decides about the engine)."""
+    try:
+        await engine.start(ENGINE_PING_TIMEOUT)
+    except TimeoutError:
+        log.error("stopping: an engine core did not answer the first ping within %.0f s", ENGINE_PING_TIMEOUT)
+        raise SystemExit(ENGINE_GONE_EXIT_CODE) from None
+
+
 def run_api_server(launch: ApiServerLaunch) -> None:
     config, model = launch.config, launch.model
     stop, group = enter_process(launch)
@@ -105,7 +115,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")
     try:
         ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
-        await engine.start(ENGINE_PING_TIMEOUT)
+        await reach_engines(engine)
         server = build_http_server(build_app(ctx), config, group, index, ctx.metrics)
         freeze_start_up()
         ready.send(True)

@@ -9,6 +9,11 @@ from typing import Any
 from dataclasses import dataclass
 
 
+# An engine that leaves this many --engine-ping-interval's in a row unanswered is gone: each API server stops
+# (apiserver/engine_watch.py), and the supervisor that started it kills it (supervisor/engine_liveness.py).
+MISSED_PINGS_FOR_GONE = 3
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     # Where and what to serve.
@@ -110,7 +115,7 @@ class ServeConfig:
     write_batching: bool = True  # an API server makes a loop pass's socket writes together (apiserver.write_batch)
     direct_stream_events: bool = True  # streamed events written straight to the connection (apiserver.direct_body)
     timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
-    engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; 3 in a row: exit
+    engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; MISSED_PINGS_FOR_GONE: gone
     grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP
     metrics_port: int | None = None  # --grpc: Prometheus metrics over HTTP here, since gRPC has no /metrics
     # Chat: tools and reasoning (vLLM's options).

@@ -2,7 +2,8 @@
 node's supervisor uses `node-supervisor`, so that the head's and the node's lines to one engine never take
 over each other's identity).
 
-It is used for one thing: when an API server is gone (it died, or the watchdog killed it, or it drained and
+It is used for two things. It pings each engine (supervisor/engine_liveness.py reads when each last answered).
+And when an API server is gone (it died, or the watchdog killed it, or it drained and
 exited), every engine aborts the requests of that server's identity (UTILITY `abort_client`), so no engine
 decodes on for a reader that no longer exists. A headless node uses it when a new head appears: the old head's
 API servers are all gone, so their requests are aborted on the node's engines. Calls are sent without waiting; the answers are read whenever
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import zmq
 
@@ -39,6 +41,8 @@ class EngineLink:
                          for rank, address in engine_addresses.items()}
         self._call_ids = itertools.count(1)
         self._calls: dict[int, tuple[int, str, bool]] = {}  # call id -> (rank, identity whose work it aborts, quiet)
+        self._pings: dict[int, int] = {}  # call id -> rank
+        self._answered = {rank: time.monotonic() for rank in engine_addresses}  # rank -> when it last answered
 
     def filenos(self) -> list[int]:
         return [sock.fileno() for sock in self._sockets.values()]
@@ -49,6 +53,21 @@ class EngineLink:
         if old is not None:
             old.close(linger=0)
         self._sockets[rank] = connect_dealer(self._zmq, address, self._identity, self._curve)
+        self._answered[rank] = time.monotonic()
+
+    def ping(self, rank: int) -> None:
+        """Ping engine `rank`; its answer, read later, moves last_answer(rank)."""
+        call_id = next(self._call_ids)
+        try:
+            self._sockets[rank].send_multipart(encode(UtilityCall(call_id, "ping", [])), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return  # a full queue: the engine is not reading, which its silence will say
+        self._pings[call_id] = rank
+        self.take_answers()  # as in abort_client: keep the FD's edge
+
+    def last_answer(self, rank: int) -> float:
+        """When (time.monotonic) engine `rank` last answered anything on this line, or the line was made."""
+        return self._answered[rank]
 
     def abort_every_client(self) -> None:
         """Abort the requests of every API server identity there can be (a new head: all of them are gone)."""
@@ -81,8 +100,10 @@ class EngineLink:
                 except MalformedMessage as exc:
                     log.warning("ignoring a malformed message from EngineCore_DP%d: %s", rank, exc)
                     continue
+                self._answered[rank] = time.monotonic()
                 if isinstance(record, UtilityResult) and isinstance(record.call_id, int):  # remote engines' too
-                    self._on_result(record)
+                    if self._pings.pop(record.call_id, None) is None:
+                        self._on_result(record)
                 elif not isinstance(record, EngineDead):  # a dead engine's sentinel tells us that too
                     log.warning("ignoring a %s from EngineCore_DP%d", type(record).__name__, rank)
 

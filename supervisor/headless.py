@@ -32,6 +32,7 @@ from ipc.model_info import ModelInfo
 from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeHello, NodeLeaving,
                               decode_node_message, encode_node_message)
 from ipc.sockets import NODE_SUPERVISOR_IDENTITY, connect_dealer, tcp_address
+from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import ChildExited, EventSource, LinkEvent, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
 from supervisor.layout import Layout, engine_host_toward, layout_of
@@ -163,6 +164,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
     timers = events.timers
     timers.set(_BEAT, 0)
     last_waiting_line = -WAITING_LOG_EVERY  # the first line as soon as the head is silent
+    liveness = EngineLiveness(config.engine_ping_interval)
     while True:
         for event in events.wait(group.engines):
             if isinstance(event, ChildExited):
@@ -192,6 +194,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 link.hello()
                 timers.set(_BEAT, beat)
                 notifier.watchdog_if_due()  # under systemd with WatchdogSec=: this loop is alive
+                liveness.kill_silent(group.engine_link, group.engines)
                 now = time.monotonic()
                 silent = now - link.last_answer
                 if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY:

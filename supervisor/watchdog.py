@@ -13,6 +13,7 @@ import signal
 from collections import deque
 
 from supervisor.children import Child
+from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankJoined, RankLost, SignalArrived,
                                TimerFired, Timers)
 from supervisor.restart_policy import RestartBudget
@@ -49,6 +50,7 @@ class Watchdog:
         self.rolling = False
         self.roll_again = False  # a rank came back during a rolling restart: roll once more when it ends
         self.engine_failed = False  # the group goes down when the grace ends; nothing is restarted meanwhile
+        self.liveness = EngineLiveness(self.config.engine_ping_interval)
         # systemd's watchdog wants a ping every half period: tick at least that often.
         self.tick = min(TICK, notifier.watchdog_interval or TICK)
         timers.set(_TICK, self.tick)
@@ -212,6 +214,7 @@ class Watchdog:
         if key == _TICK:
             self._check_heartbeats()
             self._check_start_deadlines()
+            self.liveness.kill_silent(self.group.engine_link, self.group.engines)
             if not self.engine_failed and not self.restarts_due and all(c.alive for c in self.group.api_servers.values()):
                 self.notifier.watchdog_if_due()
             self.timers.set(_TICK, self.tick)

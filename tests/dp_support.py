@@ -8,12 +8,11 @@ from __future__ import annotations
 import re
 import secrets
 import socket
-import time
 
 import httpx
 import pytest
 
-from tests.supervise_process import Supervise
+from tests.supervise_process import Supervise, wait_for
 
 SIM_MODEL = "sim:10"
 PING = "1"  # --engine-ping-interval in these tests: a lost node is noticed within a second
@@ -23,18 +22,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, *logs_of):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.log()[-3000:] for p in logs_of)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.05)
 
 
 def dp_args(size: int, rpc_port: int, *extra: str, model: str = SIM_MODEL) -> list[str]:

@@ -148,3 +148,17 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Pr
     """The processes still alive after `timeout` seconds."""
     _, alive = psutil.wait_procs(processes, timeout=timeout)
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for(predicate, timeout: float, what: str, *logs_of):
+    """Poll `predicate` until it returns something true (returned); fail after `timeout` s with the logs of
+    `logs_of` (Supervise-likes) in the message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            logs = "\n".join(p.log()[-3000:] for p in logs_of)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.05)

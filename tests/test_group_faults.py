@@ -12,18 +12,8 @@ import psutil
 import pytest
 
 from apiserver.admission import TEST_PAUSE_ENV
-from tests.supervise_process import SUPERVISE
+from tests.supervise_process import SUPERVISE, wait_for
 from tests.test_group_lifecycle import SIM, model_of, start_long_requests
-
-
-def wait_for(predicate, timeout: float, what: str, server=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + (server.log()[-3000:] if server else "")
-        time.sleep(0.05)
 
 
 class HeldStreams:

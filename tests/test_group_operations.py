@@ -9,7 +9,7 @@ import time
 import httpx
 
 from tests.load import BackgroundLoad
-from tests.supervise_process import SUPERVISE, title_of, wait_gone
+from tests.supervise_process import SUPERVISE, title_of, wait_for, wait_gone
 
 SIM = ("--model", "sim:10")
 
@@ -22,21 +22,14 @@ def api_server_pids(server) -> set[int]:
     return {c.pid for c in server.children() if "ApiServer_" in title_of(c)}
 
 
-def wait_until(predicate, timeout: float, what: str, server=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + (server.log()[-3000:] if server else "")
-        time.sleep(0.1)
-
-
 def test_sighup_rolls_every_api_server_without_a_failed_request(start_supervise):
     server = start_supervise(*SIM, "--api-server-count", "2")
     before = api_server_pids(server)
     with BackgroundLoad(server.url, model_of(server), clients=4, max_tokens=30) as load:
         load.wait_for(8)
         server.signal(signal.SIGHUP)
-        wait_until(lambda: "rolling restart done" in server.log(), 60, "the rolling restart", server)
-        wait_until(lambda: not (api_server_pids(server) & before), 30, "the old servers to exit", server)
+        wait_for(lambda: "rolling restart done" in server.log(), 60, "the rolling restart", server)
+        wait_for(lambda: not (api_server_pids(server) & before), 30, "the old servers to exit", server)
         done_at_restart = load.ok
         load.wait_for(done_at_restart + 8)
     assert load.failures == []
@@ -48,10 +41,10 @@ def test_sighup_rolls_every_api_server_without_a_failed_request(start_supervise)
 def test_sigttin_adds_and_sigttou_removes_an_api_server(start_supervise):
     server = start_supervise(*SIM, "--api-server-count", "2")
     server.signal(signal.SIGTTIN)
-    wait_until(lambda: len(api_server_pids(server)) == 3 and "ApiServer_2 ready" in server.log(), 30,
+    wait_for(lambda: len(api_server_pids(server)) == 3 and "ApiServer_2 ready" in server.log(), 30,
                "a third server", server)
     server.signal(signal.SIGTTOU)
-    wait_until(lambda: len(api_server_pids(server)) == 2 and "ApiServer_2 drained and stopped" in server.log(), 30,
+    wait_for(lambda: len(api_server_pids(server)) == 2 and "ApiServer_2 drained and stopped" in server.log(), 30,
                "back to two servers", server)
     assert httpx.post(f"{server.base_url}/completions",
                       json={"model": model_of(server), "prompt": "a", "max_tokens": 2}).status_code == 200
@@ -75,7 +68,7 @@ def test_engine_failure_restart_keeps_the_port_and_serves_again(start_supervise)
     model = model_of(server)
     engine = server.child_titled("EngineCore_DP0")
     engine.kill()
-    wait_until(lambda: server.log().count("serving ") >= 2, 60, "the group to serve again", server)
+    wait_for(lambda: server.log().count("serving ") >= 2, 60, "the group to serve again", server)
     assert server.proc.poll() is None
     r = httpx.post(f"{server.base_url}/completions", json={"model": model, "prompt": "a", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200

@@ -22,7 +22,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
 from tests.grpc_support import GrpcSupervise
-from tests.supervise_process import terminate, title_of
+from tests.supervise_process import terminate, title_of, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATEWAY = os.path.join(REPO, ".venv-gateway", "bin", "smg")
@@ -47,13 +47,6 @@ def readiness(url: str) -> dict:
         return {}
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def group():
     with GrpcSupervise("--api-server-count", "2") as server:
@@ -75,7 +68,7 @@ def running_gateway(group, *options: str):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: proc.poll() is None and readiness(url).get("healthy_workers") == 1, 60,
+        wait_for(lambda: proc.poll() is None and readiness(url).get("healthy_workers") == 1, 60,
                    "the gateway to take our worker")
         yield url
     finally:
@@ -107,7 +100,7 @@ def test_the_gateway_registers_our_worker_from_its_info_calls(gateway, group):
     labels = worker["labels"]
     assert (labels["served_model_name"], labels["dp_size"], labels["page_size"], labels["vocab_size"]) == (
         MODEL, "1", "16", "49152")
-    wait_until(lambda: "engine_load" in httpx.get(f"{gateway}/workers", timeout=5).json()["workers"][0], 30,
+    wait_for(lambda: "engine_load" in httpx.get(f"{gateway}/workers", timeout=5).json()["workers"][0], 30,
                "the gateway's first GetLoads poll")
 
 
@@ -181,7 +174,7 @@ def test_a_client_that_goes_away_is_aborted_in_our_engine(gateway, group):
             next(lines)
         assert engine_running(group) == 1
     started = time.monotonic()
-    wait_until(lambda: engine_running(group) == 0, 10, "the abort to reach the engine")
+    wait_for(lambda: engine_running(group) == 0, 10, "the abort to reach the engine")
     assert time.monotonic() - started < 10  # 2000 tokens would take minutes on this CPU
 
 
@@ -194,10 +187,10 @@ def test_the_gateway_follows_our_health_check(group):
                          "--health-success-threshold", "1") as gateway:
         engine.send_signal(signal.SIGSTOP)
         try:
-            wait_until(lambda: readiness(gateway).get("status") == "not ready", 20, "the gateway to see it down")
+            wait_for(lambda: readiness(gateway).get("status") == "not ready", 20, "the gateway to see it down")
         finally:
             engine.send_signal(signal.SIGCONT)
-        wait_until(lambda: readiness(gateway).get("healthy_workers") == 1, 60, "the gateway to see it back")
+        wait_for(lambda: readiness(gateway).get("healthy_workers") == 1, 60, "the gateway to see it back")
     (response,) = group.stub().Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
                                                            sampling_params=pb.SamplingParams(max_tokens=2)))
     assert response.complete.finish_reason in ("length", "stop")

@@ -3,7 +3,6 @@ gRPC API servers restarted, rolled and drained like the HTTP ones."""
 import signal
 import socket
 import subprocess
-import time
 
 import grpc
 import httpx
@@ -11,16 +10,9 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from tests.grpc_support import GrpcBackgroundLoad, GrpcSupervise, error_of, generate_request
-from tests.supervise_process import SUPERVISE, wait_gone
+from tests.supervise_process import SUPERVISE, wait_for, wait_gone
 
 KEY = (("authorization", "Bearer sekrit"),)
-
-
-def wait_until(predicate, timeout: float, what: str, server) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log()[-3000:]}"
-        time.sleep(0.1)
 
 
 def test_options_of_the_http_api_are_refused_with_grpc():
@@ -59,7 +51,7 @@ def test_api_key_metadata_and_group_wide_admission():
         error = error_of(lambda: server.stub().Generate(generate_request([1, 2], max_tokens=1), metadata=KEY))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 1 queued requests" in error.details()
         long_call.cancel()
-        wait_until(lambda: not server.stub().GetLoads(pb.GetLoadsRequest(), metadata=KEY).loads[0].num_running_reqs,
+        wait_for(lambda: not server.stub().GetLoads(pb.GetLoadsRequest(), metadata=KEY).loads[0].num_running_reqs,
                    5, "the cancelled call to leave the engine", server)
         (done,) = stub.Generate(generate_request([1, 2], max_tokens=2), metadata=KEY)
         assert done.complete.finish_reason == "length"
@@ -76,7 +68,7 @@ def test_a_frozen_grpc_server_is_replaced_by_its_missing_heartbeat(group):
     before = group.api_server_pids()
     victim = sorted(before)[-1]
     subprocess.run(["kill", "-STOP", str(victim)], check=True)
-    wait_until(lambda: victim not in group.api_server_pids() and len(group.api_server_pids()) == 2, 30,
+    wait_for(lambda: victim not in group.api_server_pids() and len(group.api_server_pids()) == 2, 30,
                "the frozen server to be replaced", group)
     assert "has not beaten for" in group.log()
 
@@ -85,9 +77,9 @@ def test_a_killed_grpc_server_is_replaced(group):
     before = group.api_server_pids()
     victim = sorted(before)[0]
     subprocess.run(["kill", "-9", str(victim)], check=True)
-    wait_until(lambda: len(group.api_server_pids() - before) == 1 and len(group.api_server_pids()) == 2, 30,
+    wait_for(lambda: len(group.api_server_pids() - before) == 1 and len(group.api_server_pids()) == 2, 30,
                "a replacement", group)
-    wait_until(lambda: group.log().count(" ready") >= 1 and "died" in group.log(), 30, "the restart log", group)
+    wait_for(lambda: group.log().count(" ready") >= 1 and "died" in group.log(), 30, "the restart log", group)
     for _ in range(4):  # new connections reach both servers, the replacement included
         (response,) = group.stub().Generate(generate_request([1, 2], max_tokens=2))
         assert response.complete.finish_reason == "length"
@@ -98,8 +90,8 @@ def test_sighup_rolls_every_grpc_server_without_a_failed_call(group):
     with GrpcBackgroundLoad(group, clients=4, max_tokens=30) as load:
         load.wait_for(8)
         group.signal(signal.SIGHUP)
-        wait_until(lambda: "rolling restart done" in group.log(), 60, "the rolling restart", group)
-        wait_until(lambda: not (group.api_server_pids() & before), 30, "the old servers to exit", group)
+        wait_for(lambda: "rolling restart done" in group.log(), 60, "the rolling restart", group)
+        wait_for(lambda: not (group.api_server_pids() & before), 30, "the old servers to exit", group)
         done_at_restart = load.ok
         load.wait_for(done_at_restart + 8)
     assert load.failures == []

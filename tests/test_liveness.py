@@ -6,6 +6,8 @@ import time
 
 import httpx
 
+from tests.supervise_process import wait_for
+
 
 def open_unread_stream(server, body: dict) -> socket.socket:
     """A streamed request whose reader never reads: the server's outputs pile up on its side."""
@@ -57,3 +59,29 @@ def test_health_is_503_while_the_engine_misses_pings_and_200_once_it_answers(sta
     server.wait_health(200, 3)
     assert httpx.get(f"{server.url}/ping", timeout=5).status_code == 200
     assert "died" not in server.log()
+
+
+def test_a_frozen_engine_takes_the_group_down(start_supervise):
+    """An engine that stops answering without exiting is killed by the supervisor, then handled as any engine's
+    death: the group goes down (exit 1) instead of restarting API servers that wait on it forever."""
+    server = start_supervise("--model", "sim:10", "--engine-ping-interval", "1", "--api-server-count", "2")
+    server.child_titled("EngineCore_DP0").suspend()
+    frozen_at = time.monotonic()
+    assert server.wait_exit(30) == 1
+    assert time.monotonic() - frozen_at < 15  # (3 + 1) intervals of silence, the 2 s grace, the stop
+    log = server.log()
+    assert "EngineCore_DP0 has answered no ping for" in log
+    assert "an engine core is gone: taking the group down" in log
+    assert "Traceback" not in log
+
+
+def test_a_frozen_engine_is_restarted_with_on_engine_failure_restart(start_supervise):
+    server = start_supervise("--model", "sim:10", "--engine-ping-interval", "1", "--on-engine-failure", "restart")
+    engine = server.child_titled("EngineCore_DP0")
+    engine.suspend()
+    wait_for(lambda: server.log().count("serving ") >= 2, 60, "the group to serve again", server)
+    r = httpx.post(f"{server.base_url}/completions", json={"model": "sim:10", "prompt": "a", "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 200
+    assert server.child_titled("EngineCore_DP0").pid != engine.pid
+    assert not engine.is_running()

@@ -28,6 +28,7 @@ class FakeGroup:
     """The group's verbs, recorded instead of done."""
 
     free_api_index = ProcessGroup.free_api_index  # pure bookkeeping: the real one
+    engine_link = None  # no engines to ping
 
     def __init__(self, config: ServeConfig, clock: Clock):
         self.config = config

@@ -31,7 +31,7 @@ from apiserver.grpc.registration import NOT_SERVING, SERVICE_NAME, SERVING, add_
 from apiserver.grpc.servicer import VllmEngineService
 from apiserver.large_body_budget import LargeBodyBudget
 from apiserver.metrics import Metrics
-from apiserver.process import ENGINE_GONE_EXIT_CODE, ENGINE_PING_TIMEOUT, enter_process
+from apiserver.process import ENGINE_GONE_EXIT_CODE, enter_process, reach_engines
 from apiserver.server import StopSignals, beat_forever
 from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
@@ -92,7 +92,7 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
     heartbeat = asyncio.create_task(beat_forever(ctx.group, ctx.index, health.update), name="heartbeat")
     try:
         ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
-        await engine.start(ENGINE_PING_TIMEOUT)
+        await reach_engines(engine)
         # --max-request-body-bytes bounds a request message, as it bounds an HTTP body.
         server = grpc.aio.server(
             options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes))

@@ -1,0 +1,55 @@
+"""The supervisor's own pings to the engines it started: an engine that stops answering without exiting (SIGSTOP,
+a wedged step, one step past --engine-step-timeout, which silences its pings on purpose) is killed, so that the
+group handles it as any engine's death: it goes down (exit 1), or restarts with --on-engine-failure restart.
+
+Without this, only the API servers noticed: each stopped itself (ENGINE_GONE_EXIT_CODE), its replacement waited a
+minute for the engine's first answer and died, and the next one did the same, slowly enough never to exhaust
+--max-restarts: the group hung, accepting connections it never answered.
+
+The verdict is the API servers' (ipc.config.MISSED_PINGS_FOR_GONE intervals without an answer) and one interval
+more, counted from the last answer the supervisor's line got: an engine that thaws in time is left alone, as they
+leave it (their /health says 503 from the first miss).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ipc.config import MISSED_PINGS_FOR_GONE
+from supervisor.children import Child
+from supervisor.engine_link import EngineLink
+
+log = logging.getLogger(__name__)
+
+
+class EngineLiveness:
+    def __init__(self, interval: float):
+        """`interval`: --engine-ping-interval."""
+        self.interval = interval
+        self._last_ping = time.monotonic()
+
+    def silent_engines(self, link: EngineLink | None, engines: list[Child]) -> list[tuple[Child, float]]:
+        """Ping `engines` (local, alive) once per interval; those silent for too long, with their silence (s)."""
+        if link is None:
+            return []
+        now = time.monotonic()  # EngineLink's clock
+        if now - self._last_ping >= self.interval:
+            self._last_ping = now
+            for child in engines:
+                if child.alive and child.kill_reason is None:
+                    link.ping(child.index)
+        limit = (MISSED_PINGS_FOR_GONE + 1) * self.interval
+        silent = []
+        for child in engines:
+            if not child.alive or child.kill_reason is not None:
+                continue
+            quiet = now - link.last_answer(child.index)
+            if quiet > limit:
+                silent.append((child, quiet))
+        return silent
+
+    def kill_silent(self, link: EngineLink | None, engines: list[Child]) -> None:
+        """Kill the engines silent for too long: their exits are then handled as any engine's death."""
+        for child, silent in self.silent_engines(link, engines):
+            log.error("%s has answered no ping for %.0f s: killing it", child.name, silent)
+            child.kill(f"it answered no ping for {silent:.0f} s (frozen, or one step past --engine-step-timeout)")
