@@ -154,27 +154,35 @@ class HttpConnection(HttpToolsProtocol):
                 self._answer_and_close(_headers_too_large(self._policy.max_header_bytes), linger=True)
                 return
             self._reads_without_body += len(data)  # (on_body starts the count again)
-        # uvicorn's own data_received, but for an upgrade: apiserver/ignored_upgrade.py.
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
-        except httptools.HttpParserUpgrade as upgrade:
-            self._serve_without_upgrade(data[upgrade.args[0]:])
+        # uvicorn's own data_received, but for an upgrade (apiserver/ignored_upgrade.py), and the keep-alive timer
+        # stopped by a request's first byte (on_message_begin), not by any read: the parser skips bare CRLFs
+        # between requests, and two bytes every few seconds held an idle connection open for ever.
+        # What the parser is to read, in order (views: a pipelined rest is not copied).
+        pieces: list[bytes | memoryview] = [memoryview(data)]
+        while pieces:
+            piece = pieces.pop(0)
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                # A loop, not a nested call per request: thousands of them pipelined in one read are one read.
+                pieces = [self._head_without_upgrade(), piece[upgrade.args[0]:], *pieces]
 
-    def _serve_without_upgrade(self, rest: bytes) -> None:
+    def _head_without_upgrade(self) -> bytes:
         """The parser stopped after a request that asks for an upgrade (on_headers_complete held it back): the
-        same request, asking for none, and what follows it, go to a new parser."""
+        same request's head, asking for none, for a new parser, which then reads what followed it."""
         self._upgrade_asked = False
         head = head_without_upgrade(self.parser.get_method(), self.url, self.parser.get_http_version(), self.headers)
         self.parser = new_parser(self)
-        self.data_received(head + rest)
+        return head
 
     # Parser callbacks: where a request's reading starts, progresses and ends.
     def on_message_begin(self) -> None:
+        self._unset_keepalive_if_required()
         super().on_message_begin()
         self._reading_since = self._last_read = self.loop.time()
         self._headers_done = False
@@ -218,7 +226,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         if self._upgrade_asked:
-            return  # the parser's end of a message it did not read: it is parsed again (_serve_without_upgrade)
+            return  # the parser's end of a message it did not read: it is parsed again (_head_without_upgrade)
         self._reading_since = None
         cycle = self.cycle
         if cycle is not None and cycle.transport is self._lingering_close:

@@ -223,6 +223,44 @@ def test_a_request_asking_for_an_upgrade_is_served_as_http_1_1_body_and_all(shor
     assert health.startswith(b"HTTP/1.1 200")
 
 
+def test_bare_line_ends_do_not_keep_an_idle_connection_open(short_timeouts):
+    """The parser skips CRLFs between requests (RFC 9112 2.2), and every read stopped the keep-alive timer: two
+    bytes every few seconds held a connection open for ever."""
+    conn = connect(short_timeouts)
+    conn.sendall(HEALTH)
+    assert read_response(conn).startswith(b"HTTP/1.1 200")
+    idle_from = time.monotonic()
+    conn.settimeout(0.3)
+    closed_at = None
+    while closed_at is None and time.monotonic() - idle_from < 8:
+        try:
+            conn.sendall(b"\r\n")
+            if conn.recv(100) == b"":
+                closed_at = time.monotonic()
+        except TimeoutError:
+            pass
+        except (BrokenPipeError, ConnectionResetError):
+            closed_at = time.monotonic()
+    conn.close()
+    assert closed_at is not None, "still open 8 s after its last request, 1 s keep-alive"
+    assert closed_at - idle_from < 3.5
+
+
+def test_thousands_of_pipelined_upgrade_requests_are_all_answered(short_timeouts):
+    """Each such request was parsed again by a nested call: some 500 of them in one read ran out of Python's stack
+    (RecursionError), the rest unanswered and a traceback per read in the log."""
+    count = 3000
+    conn = connect(short_timeouts)
+    requests = (b"GET /health HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n") * count
+    sender = threading.Thread(target=conn.sendall, args=(requests,))  # the answers are read meanwhile
+    sender.start()
+    answers = read_responses(conn, count)
+    sender.join()
+    conn.close()
+    assert all(head.startswith(b"HTTP/1.1 200") for head, _ in answers)
+    assert "Traceback" not in short_timeouts.log()
+
+
 def test_connect_is_refused(short_timeouts):
     conn = connect(short_timeouts)
     conn.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
