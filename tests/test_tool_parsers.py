@@ -117,6 +117,12 @@ NOT_JSON = [
     ("hermes", '<tool_call>\n{"name": "f", "arguments": "\\q"}\n</tool_call>'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"]}'),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2}}\n</tool_call>'),
+    # brackets and strings that close, values that do not decode: the scan alone took these for arguments
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a" 1, ,}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": NaN}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{not json"}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": Paris}}'),
     ("pythonic", "[f(a=[1, 2)]"),
     ("pythonic", "[f(1, 2), g()]"),
     # Python's parser raised MemoryError and RecursionError on these, out of the parser

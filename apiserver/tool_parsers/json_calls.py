@@ -35,6 +35,7 @@ def call_at(text: str, start: int, memo: ScanMemo | None) -> tuple[CallState, in
         return CallState(name, arguments), None
     if name is None:
         raise NotJson("a tool call needs a name")
+    decoded(arguments)  # the scan checks brackets and strings only: `{"a": tru}` is not JSON either
     memo.calls[start] = CallState(name, arguments, True), end
     return memo.calls[start]
 

@@ -58,9 +58,13 @@ def decoded(value: str):
     """A complete value's text, decoded. One the scan let through but JSON does not take (a string with an escape
     such as \\q) is not JSON either (before, json's own error escaped the parser and ended the answer)."""
     try:
-        return json.loads(value)
+        return json.loads(value, parse_constant=_not_a_json_constant)
     except ValueError as exc:
         raise NotJson(str(exc)) from None
+
+
+def _not_a_json_constant(name: str):
+    raise NotJson(f"{name} is Python's, not JSON")  # json.loads takes NaN and Infinity; a client's parser would not
 
 
 def run_end(pattern: re.Pattern, text: str, i: int) -> int:
