@@ -104,18 +104,19 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, filename = os.path.split(gguf_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
-    except Exception as exc:
-        raise ModelSourceError(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}") from exc
-    # The weights are dequantized already; drop the quantizer so save_pretrained writes plain safetensors.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    # Write next to the target and rename, so a crash mid-way never leaves a half cache that looks whole.
+    # Write next to the target and rename, so a crash mid-way never leaves a half cache that looks whole. Staged
+    # first: a cache that cannot be written is said before the 10 s of loading, not after.
     with _staged(target) as staging:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+        except Exception as exc:
+            raise ModelSourceError(f"cannot load GGUF {gguf_path}: {exc.__class__.__name__}: {exc}") from exc
+        # The weights are dequantized already; drop the quantizer so save_pretrained writes plain safetensors.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
@@ -126,7 +127,11 @@ def _staged(target: str):
     """A fresh directory to fill; on success it becomes `target`, marked complete, in one rename."""
     staging = f"{target}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
+    try:
+        os.makedirs(staging)
+    except OSError as exc:
+        raise ModelSourceError(f"cannot write the model cache in {os.path.dirname(target)} ({exc.strerror}): set "
+                               "XDG_CACHE_HOME to a writable directory") from exc
     try:
         yield staging
         open(os.path.join(staging, _COMPLETE_MARKER), "w").close()

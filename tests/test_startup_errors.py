@@ -84,6 +84,19 @@ def test_missing_model_is_one_line_and_exit_code_2(tmp_path):
     assert len(errors) == 1 and str(missing) in errors[0]
 
 
+def test_a_model_cache_that_cannot_be_written_is_one_line_and_exit_code_2(tmp_path):
+    """The embedded model is converted into $XDG_CACHE_HOME/supervise on a first start: where that cannot be
+    made (here a path under a file, as /dev/null/cache), the engine's traceback was all an operator got, exit 1."""
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_bytes(b"")
+    result = subprocess.run([SUPERVISE, "--port", "0"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "XDG_CACHE_HOME": str(not_a_directory / "cache")})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
+    assert len(errors) == 1 and "cannot write the model cache" in errors[0] and "XDG_CACHE_HOME" in errors[0]
+
+
 def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):
     plain = tmp_path / "weights.bin"
     plain.write_bytes(b"not a model")
