@@ -82,9 +82,11 @@ class Generation:
         tokenizer,
         rank: int | None = None,
         grammar_param: str | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         """`rank`: the data-parallel rank to run on (X-data-parallel-rank); None: the least loaded.
-        `grammar_param`: the request's field that gave sampling.grammar, named by a 400 if it fails in the engine."""
+        `grammar_param`: the request's field that gave sampling.grammar, named by a 400 if it fails in the engine.
+        `eos_token_ids`: the model's (ModelInfo.eos_token_ids)."""
         self._engine = engine
         self.request_id = request_id
         self.grammar_param = grammar_param
@@ -109,6 +111,10 @@ class Generation:
             for j in range(n)
         ]
         self._unfinished = len(self.choices)
+        # The token that ended a sequence (an EOS, one of stop_token_ids) counts but is not shown, as in vLLM,
+        # unless include_stop_str_in_output: with skip_special_tokens false `<|im_end|>` ended every answer.
+        self._unshown_stops = frozenset() if include_stop_str_in_output else frozenset(
+            (*sampling.stop_token_ids, *(() if sampling.ignore_eos else eos_token_ids)))
         self._stop_strings = bool(stop)
         self._priority = priority
         self._stream: RequestStream | None = None
@@ -176,7 +182,12 @@ class Generation:
             new = out.new_token_ids
             if out.num_cached_tokens and choice.num_tokens == 0 and choice.index % self.sampling.n == 0:
                 self.num_cached_tokens += out.num_cached_tokens
-            used = choice.detokenizer.add_tokens(new)
+            shown = new
+            if out.finish_reason == FinishReason.STOP and new and new[-1] in self._unshown_stops:
+                shown = new[:-1]
+            used = choice.detokenizer.add_tokens(shown)
+            if choice.detokenizer.stop_reason is None:
+                used = len(new)  # the unshown stop token too
             choice.num_tokens += used
             if choice.logprobs is not None and out.logprobs:
                 choice.logprobs.extend(zip(new[:used], out.logprobs[:used]))

@@ -85,6 +85,7 @@ class ChatServing(GenerationServing):
             ctx.engine, request_id, [prompt], sampling, self.priority(request, req.priority),
             stop_strings(req.stop, ctx.config), req.skip_special_tokens, req.include_stop_str_in_output,
             ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
+            eos_token_ids=ctx.model.eos_token_ids,
         )
         response_id = "chatcmpl-" + request_id
         created = int(time.time())

@@ -93,6 +93,7 @@ class CompletionServing(GenerationServing):
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority),
             stop_strings(req.stop, ctx.config), req.skip_special_tokens, req.include_stop_str_in_output,
             ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
+            eos_token_ids=ctx.model.eos_token_ids,
         )
         echoes = [await self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id

@@ -37,6 +37,31 @@ def test_stop_string_cuts_before_paris(client, model):
     assert reply.choices[0].finish_reason == "stop"
 
 
+ANSWER = [{"role": "user", "content": "What is the capital of France? One short sentence."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_that_ends_an_answer_is_counted_not_shown(served, client, model, stream):
+    """As in vLLM: the EOS or stop_token_ids token that ended a choice is not in its text unless
+    include_stop_str_in_output; with skip_special_tokens false every answer had ended in `<|im_end|>`."""
+    def answer(**extra):
+        request = dict(model=model, messages=ANSWER, temperature=0, max_tokens=40, extra_body=extra)
+        if not stream:
+            reply = client.chat.completions.create(**request)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens
+        chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1].usage.completion_tokens
+
+    text, finish, tokens = answer()
+    assert finish == "stop" and text.endswith(".") and "<|im_end|>" not in text
+    assert answer(skip_special_tokens=False) == (text, finish, tokens)
+    assert answer(skip_special_tokens=False, include_stop_str_in_output=True) == (text + "<|im_end|>", finish, tokens)
+    period = httpx.post(f"{served.url}/tokenize", json={"model": model, "prompt": "."}).json()["tokens"]
+    cut, finish, cut_tokens = answer(stop_token_ids=period)
+    assert (cut, finish, cut_tokens) == (text[:-1], "stop", tokens - 1)  # the period counted, EOS never sampled
+
+
 def test_logprobs_are_real_log_probabilities(client, model):
     reply = client.chat.completions.create(
         model=model, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
