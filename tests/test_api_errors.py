@@ -107,6 +107,18 @@ def test_stream_options_only_with_a_stream(http):
     assert chat(http, max_tokens=1, stream=True, stream_options={"include_usage": True}).status_code == 200
 
 
+def test_usage_in_every_chunk_is_refused_not_ignored(http):
+    """vLLM's `continuous_usage_stats` was accepted and no chunk but the last had usage: a client counting on it
+    read nothing. Refused by name now; false and null are what is done anyway."""
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    error = assert_error(chat(http, max_tokens=1, stream=True, stream_options=asked), 400,
+                         "stream_options.continuous_usage_stats")
+    assert "not supported" in error["message"]
+    for value in (False, None):
+        options = {"include_usage": True, "continuous_usage_stats": value}
+        assert chat(http, max_tokens=1, stream=True, stream_options=options).status_code == 200
+
+
 def test_a_lone_surrogate_escape_is_named(http):
     """JSON.stringify writes one for a string cut inside an emoji; the 400 says what it is."""
     body = b'{"model": "sim:2", "messages": [{"role": "user", "content": "cut \\ud83d"}]}'
