@@ -3,7 +3,8 @@ that forces a call, and the parser that reads the calls back.
 
 - `none`: the template still sees the tools (as vLLM renders them); the output is plain content.
 - `auto` (the default when tools are given): the model decides; the `--tool-call-parser` finds the calls in its
-  text. It needs `--enable-auto-tool-choice` (a 400 otherwise, as in vLLM).
+  text (the first only with `parallel_tool_calls: false`). It needs `--enable-auto-tool-choice` (a 400 otherwise,
+  as in vLLM).
 - `required`: structured outputs force a JSON array of calls `{"name", "parameters"}`, each valid against its
   function's schema (one call only with `parallel_tool_calls: false`).
 - a named function: structured outputs force that function's arguments, valid against its schema.
@@ -16,7 +17,9 @@ import orjson
 
 from apiserver.errors import InvalidRequest
 from apiserver.tool_parsers import TOOL_PARSERS, ToolParser
+from apiserver.tool_parsers.base import Parsed
 from apiserver.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from apiserver.tool_parsers.json_scan import ScanMemo
 from ipc import grammar as grammars
 from ipc.config import ServeConfig
 
@@ -49,7 +52,8 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         if not config.enable_auto_tool_choice or not config.tool_call_parser:
             raise InvalidRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                  "set.", param="tool_choice")
-        return ToolPlan(template_tools, None, TOOL_PARSERS[config.tool_call_parser]())
+        parser = TOOL_PARSERS[config.tool_call_parser]()
+        return ToolPlan(template_tools, None, FirstCallOnly(parser) if request.parallel_tool_calls is False else parser)
     if choice == "required":
         calls = {"anyOf": [_call_schema(f, f"/items/anyOf/{i}") for i, f in enumerate(functions.values())]}
         array = {"type": "array", "minItems": 1, "items": calls}
@@ -61,6 +65,21 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not among the tools.",
                              param="tool_choice")
     return ToolPlan(template_tools, _parameters(functions[name]), NamedCallParser(name))
+
+
+class FirstCallOnly(ToolParser):
+    """`auto` with `parallel_tool_calls: false`: the model may still write several calls; the first is the
+    answer's only one (OpenAI promises at most one), the others are dropped, not sent as content."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
+        content, calls = self.parser.parse(text, final, memo)
+        return Parsed(content, calls[:1])
+
+    def settled(self, text: str) -> int | None:
+        return self.parser.settled(text)
 
 
 def _call_schema(function, pointer: str) -> dict:

@@ -88,6 +88,24 @@ def test_required_with_two_tools_whole_and_streamed(client, model):
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
+def test_auto_without_parallel_calls_answers_the_first_call_only(client, model):
+    """`parallel_tool_calls: false` bounded only `required`: with `auto` a model that wrote two calls got both.
+    (The two calls are forced with a regular expression, as any client can.)"""
+    written = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"city": "Tokyo"}}\n</tool_call>')
+    args = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=80,
+                extra_body={"structured_outputs": {"regex": re.escape(written)}})
+    both = client.chat.completions.create(**args).choices[0].message.tool_calls
+    assert [c.function.name for c in both] == ["get_weather", "get_time"]
+    message = client.chat.completions.create(**args, parallel_tool_calls=False).choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert not message.content
+    calls, finish, _ = _streamed(client.chat.completions.create(stream=True, parallel_tool_calls=False, **args))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 6])
 def test_a_forced_call_cut_off_by_max_tokens_is_no_content_whole_or_streamed(client, model, max_tokens):
     """The grammar's "[" and what follows are the call's text, never content: the whole answer says what the
