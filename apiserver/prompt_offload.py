@@ -55,6 +55,14 @@ async def decode(renderer: Renderer, token_ids: list[int], skip_special_tokens: 
     return await _in_thread(renderer.decode, token_ids, skip_special_tokens, True)
 
 
+async def token_strings(renderer: Renderer, token_ids: list[int]) -> list[str | None]:
+    """`renderer.token_strings`, in the worker thread for many ids (it holds the GIL, but the loop gets its turns
+    every switch interval instead of waiting for the whole list)."""
+    if len(token_ids) < OFFLOAD_MIN_IDS:
+        return renderer.token_strings(token_ids)
+    return await _in_thread(renderer.token_strings, token_ids)
+
+
 def _chat_ids(renderer: Renderer, messages: list[ChatMessage], options: tuple, add_special_tokens: bool) -> list[int]:
     return _dict_ids(renderer, message_dicts(messages), options, add_special_tokens)
 

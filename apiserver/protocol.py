@@ -272,19 +272,23 @@ class TokenizeCompletionRequest(_Strict):
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False  # vLLM's: each id's token as the vocabulary spells it
 
-    tokenize_nulls = nulls_mean_default("add_special_tokens")
+    tokenize_nulls = nulls_mean_default("add_special_tokens", "return_token_strs")
 
 
 class TokenizeChatRequest(_Strict):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)  # rendered by the chat template, as for a chat request
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
     add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
 
-    tokenize_chat_nulls = nulls_mean_default("add_generation_prompt", "continue_final_message", "add_special_tokens")
+    tokenize_chat_nulls = nulls_mean_default("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                                             "return_token_strs")
 
 
 class DetokenizeRequest(_Strict):

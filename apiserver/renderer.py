@@ -43,6 +43,7 @@ class Renderer:
         ASCII text with the word cache where it can (--no-tokenizer-word-cache: never)."""
         self.hf_tokenizer = tokenizer
         self.tokenizer = tokenizer.backend  # tokenizers.Tokenizer: Rust, no Python per-token work
+        self._token_strings: list[str | None] | None = None  # by id, once /tokenize asks (token_strings)
         self.chat_template = chat_template or tokenizer.chat_template()
         self._segments = _SegmentCache(self.tokenizer, word_cache)
         self._affixes = _post_processor_affixes(self.tokenizer)
@@ -108,6 +109,19 @@ class Renderer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, release_gil=release_gil)
+
+    def token_strings(self, token_ids: list[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (`Ġthe`: transformers' convert_ids_to_tokens); None for an
+        id the tokenizer has no token for. The table is made on first use: a lookup per id costs the Rust call's
+        crossing, a list index does not."""
+        if self._token_strings is None:
+            table: list[str | None] = [None] * self.tokenizer.get_vocab_size(with_added_tokens=True)
+            for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+                if i < len(table):
+                    table[i] = token
+            self._token_strings = table
+        table = self._token_strings
+        return [table[i] if i < len(table) else None for i in token_ids]
 
 
 class _SegmentCache:

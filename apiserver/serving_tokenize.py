@@ -7,9 +7,10 @@ from starlette.responses import Response
 
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import DEFAULT_TEMPLATE
-from apiserver.prompt_offload import decode, encode, render_chat
+from apiserver.prompt_offload import decode, encode, render_chat, token_strings
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
+from apiserver.tool_choice import tools_for_template
 from apiserver.validation import parse_body, parse_request_body, parsing
 
 
@@ -37,14 +38,17 @@ class TokenizeServing(GenerationServing):
         renderer = self.ctx.renderer
         if isinstance(req, TokenizeChatRequest):
             self.check_model(req.model)
+            tools = tools_for_template(req.tools) if req.tools else None
             tokens = await render_chat(
                 renderer, req.messages, req.add_generation_prompt,
-                req.continue_final_message, req.chat_template_kwargs, req.add_special_tokens,
+                req.continue_final_message, req.chat_template_kwargs, req.add_special_tokens, tools,
             )
         else:
             self.check_model(req.model)
             tokens = (await encode(renderer, [req.prompt], req.add_special_tokens))[0]
-        return _json({"count": len(tokens), "max_model_len": self.ctx.model.max_model_len, "tokens": tokens, "token_strs": None})
+        strings = await token_strings(renderer, tokens) if req.return_token_strs else None
+        return _json({"count": len(tokens), "max_model_len": self.ctx.model.max_model_len, "tokens": tokens,
+                      "token_strs": strings})
 
     async def detokenize(self, request: Request) -> Response:
         req = await parse_request_body(DetokenizeRequest, await request.body())

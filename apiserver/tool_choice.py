@@ -40,7 +40,7 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         if choice not in (None, "none"):
             raise InvalidRequest("`tool_choice` needs `tools`.", param="tool_choice")
         return NO_TOOLS
-    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    template_tools = tools_for_template(tools)
     functions = {tool.function.name: tool.function for tool in tools}
     if len(functions) != len(tools):
         raise InvalidRequest("Two tools have the same function name.", param="tools")
@@ -65,6 +65,11 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not among the tools.",
                              param="tool_choice")
     return ToolPlan(template_tools, _parameters(functions[name]), NamedCallParser(name))
+
+
+def tools_for_template(tools) -> list[dict]:
+    """A request's `tools` as the chat template gets them (a chat request's, and /tokenize's)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 class FirstCallOnly(ToolParser):

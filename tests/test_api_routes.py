@@ -79,6 +79,22 @@ def test_tokenize_and_detokenize(http):
     assert http.post("/detokenize", json={"model": MODEL, "tokens": [10**7]}).status_code == 400
 
 
+def test_tokenize_returns_token_strings_when_asked(http):
+    """vLLM's `return_token_strs` was refused as an unknown field."""
+    plain = http.post("/tokenize", json={"prompt": "Hello, world"}).json()
+    assert plain["token_strs"] is None
+    spelled = http.post("/tokenize", json={"prompt": "Hello, world", "return_token_strs": True}).json()
+    assert spelled["tokens"] == plain["tokens"]
+    assert spelled["token_strs"] == ["Hello", ",", "Ġworld"]  # byte-level BPE spells the space as Ġ
+    chat = http.post("/tokenize", json={"messages": HELLO, "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"] and "<|im_start|>" in chat["token_strs"]
+    long_prompt = "word " * 20000  # past the worker thread's threshold
+    long = http.post("/tokenize", json={"prompt": long_prompt, "return_token_strs": True}).json()
+    assert "".join(long["token_strs"]).replace("Ġ", " ") == long_prompt
+    bad = http.post("/tokenize", json={"prompt": "x", "return_token_strs": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_token_strs"
+
+
 def test_tokenizer_info(http):
     info = http.get("/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]

@@ -4,6 +4,7 @@ against their function's schema, a full round trip, OpenAI's streamed delta shap
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -86,6 +87,17 @@ def test_required_with_two_tools_whole_and_streamed(client, model):
     calls, finish, _ = _streamed(client.chat.completions.create(stream=True, parallel_tool_calls=False, **args))
     assert len(calls) == 1 and finish == "tool_calls"
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+
+
+def test_tokenize_renders_the_tools_as_a_chat_request_does(served_with_tools, client, model):
+    """/tokenize refused `tools` (vLLM takes them): a client counting a tool-using prompt's tokens could not."""
+    url = f"{served_with_tools.url}/tokenize"
+    with_tools = httpx.post(url, json={"model": model, "messages": ASK, "tools": TOOLS}).json()
+    without = httpx.post(url, json={"model": model, "messages": ASK}).json()
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert with_tools["count"] == reply.usage.prompt_tokens > without["count"]
+    bad = httpx.post(url, json={"model": model, "messages": ASK, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tools")
 
 
 def test_auto_without_parallel_calls_answers_the_first_call_only(client, model):
