@@ -207,7 +207,7 @@ class ProcessGroup:
                     if isinstance(event, ChildExited):
                         waiting.discard(event.child)
                     elif isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
-                        log.warning("second stop signal: stopping at once")
+                        log.warning("stop signal while the group stops: stopping at once")
                         return False
                     elif isinstance(event, TimerFired) and event.key == _STOP_DEADLINE:
                         for child in waiting:

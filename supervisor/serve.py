@@ -118,8 +118,13 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry
         notifier.ready(summary)
         outcome = Watchdog(group, timers, notifier).run(events)
         if outcome is Outcome.RESTART_GROUP:
-            group.stop(drain_timeout=2.0)  # the port stays open: clients wait in the backlog for the new group
-            return outcome
+            # The port stays open: clients wait in the backlog for the new group. A SIGTERM meanwhile is the
+            # operator's stop, not a hurry: it had cut the drain short and the new group served on regardless.
+            if group.stop(drain_timeout=2.0):
+                return outcome
+            log.info("stop requested during the restart: the group stays down")
+            notifier.stopping()
+            return 0
         notifier.stopping()
         # The group is going down: new connections must be refused at once, not queued in the backlog and reset
         # when the last process holding the socket exits. Each API server closes its own copy as it drains.

@@ -75,6 +75,26 @@ def test_engine_failure_restart_keeps_the_port_and_serves_again(start_supervise)
     assert server.child_titled("EngineCore_DP0").pid != engine.pid
 
 
+def test_a_stop_signal_during_an_engine_failure_restart_stops_the_group(start_supervise):
+    """The restart drains the API servers first, here held by a stream on the rank that lives on. A SIGTERM
+    then was taken for a hurry: the drain was cut short and the new group served on, while systemd waited."""
+    server = start_supervise("--model", "sim:20", "--data-parallel-size", "2", "--on-engine-failure", "restart")
+    body = {"model": "sim:20", "prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    stream = httpx.stream("POST", f"{server.base_url}/completions", json=body,
+                          headers={"X-data-parallel-rank": "1"}, timeout=30)
+    with stream as response:
+        next(response.iter_lines())  # the stream runs
+        server.child_titled("EngineCore_DP0").kill()
+        wait_for(lambda: "restarting the whole group" in server.log(), 30, "the restart", server)
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(20) == 0, server.log()[-3000:]
+    log = server.log()
+    assert "the group stays down" in log
+    assert log.count("serving ") == 1 and "restarting the group in place" not in log
+    with socket.socket() as probe:  # nothing listens any more
+        assert probe.connect_ex(server.address) != 0
+
+
 def test_socket_activation_adopts_the_passed_socket(tmp_path):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
