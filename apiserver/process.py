@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 
+from apiserver.engine_errors import EngineDeadError
 from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
 from ipc.lifeline import die_with_parent
@@ -53,6 +54,9 @@ async def reach_engines(engine) -> None:
         await engine.start(ENGINE_PING_TIMEOUT)
     except TimeoutError:
         log.error("stopping: an engine core did not answer the first ping within %.0f s", ENGINE_PING_TIMEOUT)
+        raise SystemExit(ENGINE_GONE_EXIT_CODE) from None
+    except EngineDeadError as exc:  # it died meanwhile (the supervisor killed a frozen one, say)
+        log.error("stopping: %s", exc)
         raise SystemExit(ENGINE_GONE_EXIT_CODE) from None
 
 

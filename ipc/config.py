@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 
 # An engine that leaves this many --engine-ping-interval's in a row unanswered is gone: each API server stops
-# (apiserver/engine_watch.py), and the supervisor that started it kills it (supervisor/engine_liveness.py).
+# (apiserver/engine_watch.py), and the supervisor that started it kills it two intervals later
+# (supervisor/engine_liveness.py).
 MISSED_PINGS_FOR_GONE = 3
 
 

@@ -42,7 +42,8 @@ class EngineLink:
         self._call_ids = itertools.count(1)
         self._calls: dict[int, tuple[int, str, bool]] = {}  # call id -> (rank, identity whose work it aborts, quiet)
         self._pings: dict[int, int] = {}  # call id -> rank
-        self._answered = {rank: time.monotonic() for rank in engine_addresses}  # rank -> when it last answered
+        # rank -> when the oldest ping it has not answered went out (None: it answered since the last one)
+        self._asked_since: dict[int, float | None] = {rank: None for rank in engine_addresses}
 
     def filenos(self) -> list[int]:
         return [sock.fileno() for sock in self._sockets.values()]
@@ -53,11 +54,13 @@ class EngineLink:
         if old is not None:
             old.close(linger=0)
         self._sockets[rank] = connect_dealer(self._zmq, address, self._identity, self._curve)
-        self._answered[rank] = time.monotonic()
+        self._asked_since[rank] = None
 
     def ping(self, rank: int) -> None:
-        """Ping engine `rank`; its answer, read later, moves last_answer(rank)."""
+        """Ping engine `rank`; silent_for(rank) counts from the first ping it leaves unanswered."""
         call_id = next(self._call_ids)
+        if self._asked_since[rank] is None:
+            self._asked_since[rank] = time.monotonic()
         try:
             self._sockets[rank].send_multipart(encode(UtilityCall(call_id, "ping", [])), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -65,9 +68,11 @@ class EngineLink:
         self._pings[call_id] = rank
         self.take_answers()  # as in abort_client: keep the FD's edge
 
-    def last_answer(self, rank: int) -> float:
-        """When (time.monotonic) engine `rank` last answered anything on this line, or the line was made."""
-        return self._answered[rank]
+    def silent_for(self, rank: int, now: float) -> float:
+        """Seconds engine `rank` has left a ping unanswered (0 when it answered since the last one): counted from
+        the ping, not from its last answer, since before a ping it had no reason to speak."""
+        since = self._asked_since[rank]
+        return 0.0 if since is None else now - since
 
     def abort_every_client(self) -> None:
         """Abort the requests of every API server identity there can be (a new head: all of them are gone)."""
@@ -100,7 +105,7 @@ class EngineLink:
                 except MalformedMessage as exc:
                     log.warning("ignoring a malformed message from EngineCore_DP%d: %s", rank, exc)
                     continue
-                self._answered[rank] = time.monotonic()
+                self._asked_since[rank] = None  # any message says it reads and answers
                 if isinstance(record, UtilityResult) and isinstance(record.call_id, int):  # remote engines' too
                     if self._pings.pop(record.call_id, None) is None:
                         self._on_result(record)

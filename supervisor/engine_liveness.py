@@ -6,9 +6,9 @@ Without this, only the API servers noticed: each stopped itself (ENGINE_GONE_EXI
 minute for the engine's first answer and died, and the next one did the same, slowly enough never to exhaust
 --max-restarts: the group hung, accepting connections it never answered.
 
-The verdict is the API servers' (ipc.config.MISSED_PINGS_FOR_GONE intervals without an answer) and one interval
-more, counted from the last answer the supervisor's line got: an engine that thaws in time is left alone, as they
-leave it (their /health says 503 from the first miss).
+The verdict comes after the API servers' (ipc.config.MISSED_PINGS_FOR_GONE intervals without an answer), two
+intervals later, counted from the first ping left unanswered: the API servers, pinging on their own schedules,
+stop first (their log says so, /health is 503 from the first miss), and an engine that thaws in time is left alone.
 """
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ class EngineLiveness:
             for child in engines:
                 if child.alive and child.kill_reason is None:
                     link.ping(child.index)
-        limit = (MISSED_PINGS_FOR_GONE + 1) * self.interval
+        limit = (MISSED_PINGS_FOR_GONE + 2) * self.interval
         silent = []
         for child in engines:
             if not child.alive or child.kill_reason is not None:
                 continue
-            quiet = now - link.last_answer(child.index)
+            quiet = link.silent_for(child.index, now)
             if quiet > limit:
                 silent.append((child, quiet))
         return silent
