@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # about 0.3 ms to decode and hand out, so a slice is a dozen or more engine steps). zmq.asyncio, as vLLM
 # uses it, yields after every message; a slice keeps that fairness without a future per message.
 DRAIN_SLICE_SECONDS = 0.005
+# How long close() lets the requests it failed write their error to their clients.
+_CLOSE_GRACE_SECONDS = 0.5
 
 
 class EngineClient:
@@ -91,6 +93,14 @@ class EngineClient:
         )
 
     async def close(self) -> None:
+        """The server is past its stop. Requests still in flight fail first (a forced stop leaves them: a second
+        signal, or the supervisor's death, which sends two), and get a moment to say so to their clients: left to
+        the loop's end, each was cancelled with a traceback in the log and its stream cut without a word."""
+        if self._streams:
+            self.fail_in_flight("the API server stopped before the request finished")
+            deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
+            while self._streams and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         for sock in self._sockets:
             if self._loop is not None and not sock.closed:
                 self._loop.remove_reader(sock.fileno())
@@ -231,12 +241,20 @@ class EngineClient:
         self.down[engine] = reason
         log.error("down: %s", reason)
         error = EngineDeadError(reason)
-        for stream in {id(s): s for s in self._streams.values()}.values():
-            if engine in stream.engines.values():
-                stream.fail(error)
+        self._fail_streams(error, engine)
         for owner, future in self._calls.values():
             if owner == engine and not future.done():
                 future.set_exception(error)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """Every request in flight fails now (503, or an error event in a stream), with `reason`."""
+        self._fail_streams(EngineDeadError(reason))
+
+    def _fail_streams(self, error: EngineDeadError, engine: int | None = None) -> None:
+        """Fail the requests in flight (on `engine` only, unless None)."""
+        for stream in {id(s): s for s in self._streams.values()}.values():  # (one entry per engine request)
+            if engine is None or engine in stream.engines.values():
+                stream.fail(error)
 
     def mark_rank_down(self, rank: int, reason: str) -> None:
         engine = self._position.get(rank)
@@ -289,6 +307,10 @@ class EngineClient:
     def _send_frames(self, engine: int, frames: list[bytes]) -> None:
         # SNDHWM is 0 (no limit): the send never has to wait.
         sock = self._sockets[engine]
+        if sock.closed:
+            # The server is past its stop (close()): requests its loop cancels on the way out release
+            # themselves here, and a send on the closed socket raised out of each, a traceback apiece.
+            return
         sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         # The send may have taken the FD's edge for a message that came in meanwhile: look for one soon.
         if not self._drain_scheduled[engine] and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:

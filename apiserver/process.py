@@ -120,7 +120,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
     try:
         ctx.sync_down_ranks()  # a rank already down is neither pinged nor sent work
         await reach_engines(engine)
-        server = build_http_server(build_app(ctx), config, group, index, ctx.metrics)
+        server = build_http_server(build_app(ctx), config, group, index, ctx.metrics, engine.fail_in_flight)
         freeze_start_up()
         ready.send(True)
         if stop.received:

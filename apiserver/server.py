@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -28,6 +29,9 @@ HEARTBEAT_SECONDS = 1.0
 # While draining, an idle keep-alive connection gets this long to bring its next request (answered, then
 # closed) before the server closes it: closing an idle connection races with a client sending on it.
 IDLE_CONNECTION_GRACE = 1.0
+# At --shutdown-timeout the requests still in flight fail (cut_requests), and get this long more to say so to
+# their clients before uvicorn cancels what is left (a traceback apiece, and the streams cut without a word).
+CUT_REQUESTS_GRACE = 1.0
 
 
 class ApiHttpServer(uvicorn.Server):
@@ -35,9 +39,11 @@ class ApiHttpServer(uvicorn.Server):
     calls close() on what it keeps in self.servers), and our drain."""
 
     def __init__(self, config: uvicorn.Config, policy: ConnectionPolicy, state: GroupState, slot: int,
-                 backoff_seconds: float):
+                 backoff_seconds: float, shutdown_timeout: float, cut_requests: Callable[[str], None] | None):
         super().__init__(config)
         self.policy = policy
+        self._shutdown_timeout = shutdown_timeout
+        self._cut_requests = cut_requests  # EngineClient.fail_in_flight
         self._state = state
         self._slot = slot
         self._backoff = backoff_seconds
@@ -63,6 +69,11 @@ class ApiHttpServer(uvicorn.Server):
         let uvicorn close the rest and wait for the requests in flight."""
         if self.acceptor is not None:
             self.acceptor.close()
+        if self._cut_requests is not None:
+            asyncio.get_running_loop().call_later(
+                self._shutdown_timeout, self._cut_requests,
+                f"the server stopped: --shutdown-timeout ({self._shutdown_timeout:g} s) passed before the request "
+                "finished")
         self.policy.refusing = self._state.group_stopping()
         self.server_state.default_headers = [*self.server_state.default_headers, (b"connection", b"close")]
         deadline = time.monotonic() + IDLE_CONNECTION_GRACE
@@ -77,7 +88,9 @@ class ApiHttpServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def build_http_server(app, config: ServeConfig, group: GroupState, index: int, metrics: Metrics) -> uvicorn.Server:
+def build_http_server(app, config: ServeConfig, group: GroupState, index: int, metrics: Metrics,
+                      cut_requests: Callable[[str], None] | None = None) -> uvicorn.Server:
+    """`cut_requests(reason)`: fails the requests in flight (EngineClient.fail_in_flight), at --shutdown-timeout."""
     uv_config = uvicorn.Config(
         app,
         http="httptools",
@@ -87,7 +100,7 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
         access_log=False,
         server_header=False,
         proxy_headers=False,  # nothing here reads the client address; one ASGI layer less per request
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        timeout_graceful_shutdown=config.shutdown_timeout + (CUT_REQUESTS_GRACE if cut_requests else 0.0),
         timeout_keep_alive=config.timeout_keep_alive,  # uvicorn's own timer, after each response
     )
     # Called on the serving loop: the batch queues its flushes there.
@@ -98,7 +111,8 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
     policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch,
                               direct_body=direct_body, count_status=metrics.count_status,
                               max_header_bytes=config.max_request_header_bytes)
-    return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0)
+    return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0, config.shutdown_timeout,
+                         cut_requests)
 
 
 async def beat_forever(group: GroupState, index: int, on_beat=None) -> None:

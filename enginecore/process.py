@@ -37,6 +37,10 @@ class ShutdownRequested(BaseException):
 
 
 def _on_signal(signum, frame):
+    # Once: the stop is under way, and a second signal raised in its cleanup came out as a traceback. A dying
+    # supervisor sends two (the parent-death signal and the lifeline's); one that hangs is SIGKILLed.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise ShutdownRequested(signal.Signals(signum).name)
 
 

@@ -33,6 +33,34 @@ def start_long_requests(server, count: int) -> None:
         threading.Thread(target=send, daemon=True).start()
 
 
+class LongStreams:
+    """Streams of 5000 tokens in background threads; `tails` says how each ended (its last two lines)."""
+
+    def __init__(self, server, count: int):
+        body = {"model": model_of(server), "prompt": "x", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+        self._tails: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as response:
+                lines = [line for line in response.iter_lines() if line]
+            self._tails.append(" ".join(lines[-2:]))
+
+        self._threads = [threading.Thread(target=stream, daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def tails(self, timeout: float) -> list[str]:
+        """The tails of the streams that ended within `timeout` s (a stream that broke off has none)."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return list(self._tails)
+
+
+def start_long_streams(server, count: int) -> LongStreams:
+    return LongStreams(server, count)
+
+
 def test_sigterm_with_the_real_model_exits_0_and_leaves_no_process(start_supervise):
     server = start_supervise("--api-server-count", "2")
     titles = sorted(t for c in server.children() if (t := title_of(c)).startswith("supervise:"))
@@ -169,14 +197,39 @@ def runtime_dir_of(api_server: psutil.Process) -> str:
 
 
 def test_killed_supervisor_takes_every_child_with_it_and_its_runtime_directory(start_supervise):
+    """And the streams in flight end with an error event: the API servers' stop is forced then (the parent-death
+    signal and the lifeline's are two SIGTERMs), and each stream left to the loop's end had been cut without a
+    word, with a traceback apiece in the log."""
     server = start_supervise(*SIM, "--api-server-count", "2")
     children = server.children()
     assert len(children) >= 3
     runtime_dir = runtime_dir_of(server.child_titled("ApiServer_0"))
+    streams = start_long_streams(server, 8)
+    time.sleep(1.5)
     os.kill(server.pid, signal.SIGKILL)
     server.wait_exit(10)
     assert wait_gone(children, 5) == []
     assert not os.path.exists(runtime_dir)
+    tails = streams.tails(10)
+    assert len(tails) == 8
+    assert all('"error"' in tail and tail.endswith("data: [DONE]") for tail in tails), tails
+    assert "Traceback" not in server.log()
+
+
+def test_streams_past_the_shutdown_timeout_end_with_an_error_event(start_supervise):
+    """uvicorn cancels what is left at --shutdown-timeout: a traceback apiece in the log, and each stream cut
+    without a word. They fail first now, and say why."""
+    server = start_supervise(*SIM, "--shutdown-timeout", "2")
+    streams = start_long_streams(server, 4)
+    time.sleep(1.0)
+    stopped_at = time.monotonic()
+    server.signal(signal.SIGTERM)
+    tails = streams.tails(15)
+    assert time.monotonic() - stopped_at < 6
+    assert len(tails) == 4
+    assert all("--shutdown-timeout" in tail and tail.endswith("data: [DONE]") for tail in tails), tails
+    assert server.wait_exit(15) == 0
+    assert "Traceback" not in server.log()
 
 
 def shared_memory_files(process: psutil.Process) -> set[str]:
