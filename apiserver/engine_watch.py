@@ -24,7 +24,6 @@ from ipc.config import MISSED_PINGS_FOR_GONE
 log = logging.getLogger(__name__)
 
 
-
 async def watch_engines(engine: EngineClient, interval: float, on_gone, sync=None) -> None:
     """Probes every engine not down each `interval` seconds (UTILITY stats: the answer also refreshes the
     engine's load for balancing); calls on_gone(reason) once one missed MISSED_PINGS_FOR_GONE probes in a row,

@@ -113,13 +113,20 @@ class Generation:
         self._unfinished = len(self.choices)
         # The token that ended a sequence (an EOS, one of stop_token_ids) counts but is not shown, as in vLLM,
         # unless include_stop_str_in_output: with skip_special_tokens false `<|im_end|>` ended every answer.
-        self._unshown_stops = frozenset() if include_stop_str_in_output else frozenset(
-            (*sampling.stop_token_ids, *(() if sampling.ignore_eos else eos_token_ids)))
+        self._hide_stop_token = not include_stop_str_in_output
+        self._eos_token_ids = eos_token_ids
         self._stop_strings = bool(stop)
         self._priority = priority
         self._stream: RequestStream | None = None
         self.arrival = time.monotonic()
         self.first_output_at: float | None = None
+
+    def _ended_by_its_token(self, out) -> bool:
+        """Whether the engine ended this sequence at its last token: one of stop_token_ids (the engine gives it as
+        the stop reason) or an EOS (no reason; a grammar that completes on another token ends it too)."""
+        if out.finish_reason != FinishReason.STOP or not out.new_token_ids:
+            return False
+        return isinstance(out.stop_reason, int) or out.new_token_ids[-1] in self._eos_token_ids
 
     @property
     def pushable(self) -> bool:
@@ -182,9 +189,7 @@ class Generation:
             new = out.new_token_ids
             if out.num_cached_tokens and choice.num_tokens == 0 and choice.index % self.sampling.n == 0:
                 self.num_cached_tokens += out.num_cached_tokens
-            shown = new
-            if out.finish_reason == FinishReason.STOP and new and new[-1] in self._unshown_stops:
-                shown = new[:-1]
+            shown = new[:-1] if self._hide_stop_token and self._ended_by_its_token(out) else new
             used = choice.detokenizer.add_tokens(shown)
             if choice.detokenizer.stop_reason is None:
                 used = len(new)  # the unshown stop token too

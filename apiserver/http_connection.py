@@ -170,7 +170,7 @@ class HttpConnection(HttpToolsProtocol):
                 return
             except httptools.HttpParserUpgrade as upgrade:
                 # A loop, not a nested call per request: thousands of them pipelined in one read are one read.
-                pieces = [self._head_without_upgrade(), piece[upgrade.args[0]:], *pieces]
+                pieces = [self._head_without_upgrade(), piece[upgrade.args[0]:]]
 
     def _head_without_upgrade(self) -> bytes:
         """The parser stopped after a request that asks for an upgrade (on_headers_complete held it back): the

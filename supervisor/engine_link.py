@@ -2,8 +2,8 @@
 node's supervisor uses `node-supervisor`, so that the head's and the node's lines to one engine never take
 over each other's identity).
 
-It is used for two things. It pings each engine (supervisor/engine_liveness.py reads when each last answered).
-And when an API server is gone (it died, or the watchdog killed it, or it drained and
+It is used for two things. It pings each engine (supervisor/engine_liveness.py asks how long each has left a ping
+unanswered). And when an API server is gone (it died, or the watchdog killed it, or it drained and
 exited), every engine aborts the requests of that server's identity (UTILITY `abort_client`), so no engine
 decodes on for a reader that no longer exists. A headless node uses it when a new head appears: the old head's
 API servers are all gone, so their requests are aborted on the node's engines. Calls are sent without waiting; the answers are read whenever

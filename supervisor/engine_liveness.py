@@ -28,28 +28,20 @@ class EngineLiveness:
         self.interval = interval
         self._last_ping = time.monotonic()
 
-    def silent_engines(self, link: EngineLink | None, engines: list[Child]) -> list[tuple[Child, float]]:
-        """Ping `engines` (local, alive) once per interval; those silent for too long, with their silence (s)."""
-        if link is None:
-            return []
+    def kill_silent(self, link: EngineLink | None, engines: list[Child]) -> None:
+        """Ping `engines` (the local ones) once per interval, and kill those silent for too long: their exits are
+        then handled as any engine's death."""
+        if link is None:  # (the engines are not serving yet)
+            return
+        watched = [child for child in engines if child.alive and child.kill_reason is None]
         now = time.monotonic()  # EngineLink's clock
         if now - self._last_ping >= self.interval:
             self._last_ping = now
-            for child in engines:
-                if child.alive and child.kill_reason is None:
-                    link.ping(child.index)
+            for child in watched:
+                link.ping(child.index)
         limit = (MISSED_PINGS_FOR_GONE + 2) * self.interval
-        silent = []
-        for child in engines:
-            if not child.alive or child.kill_reason is not None:
-                continue
-            quiet = link.silent_for(child.index, now)
-            if quiet > limit:
-                silent.append((child, quiet))
-        return silent
-
-    def kill_silent(self, link: EngineLink | None, engines: list[Child]) -> None:
-        """Kill the engines silent for too long: their exits are then handled as any engine's death."""
-        for child, silent in self.silent_engines(link, engines):
-            log.error("%s has answered no ping for %.0f s: killing it", child.name, silent)
-            child.kill(f"it answered no ping for {silent:.0f} s (frozen, or one step past --engine-step-timeout)")
+        for child in watched:
+            silent = link.silent_for(child.index, now)
+            if silent > limit:
+                log.error("%s has answered no ping for %.0f s: killing it", child.name, silent)
+                child.kill(f"it answered no ping for {silent:.0f} s (frozen, or one step past --engine-step-timeout)")
