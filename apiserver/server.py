@@ -21,6 +21,7 @@ from apiserver.http_connection import ConnectionPolicy, HttpConnection
 from apiserver.metrics import Metrics
 from apiserver.write_batch import WriteBatch
 from ipc.config import ServeConfig
+from ipc.lifeline import supervisor_gone
 from ipc.shared_state import GroupState
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,9 @@ class ApiHttpServer(uvicorn.Server):
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        """A second SIGTERM or SIGINT stops at once (uvicorn itself forces only on a second SIGINT)."""
-        if self.should_exit:
+        """A second SIGTERM or SIGINT stops at once (uvicorn itself forces only on a second SIGINT), and so does
+        any once the supervisor is gone."""
+        if self.should_exit or supervisor_gone():
             self.force_exit = True
         super().handle_exit(sig, frame)
 

@@ -21,6 +21,16 @@ from multiprocessing.connection import Connection
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Set before the lifeline's SIGTERM: a stop signal seen once it is set stops at once. The parent-death signal and
+# the lifeline's are both SIGTERM, and two that arrive before the handler runs are one (the kernel and Python
+# each keep one pending flag per signal), so "the second signal forces" alone left some stops graceful, with a
+# stream of minutes held past the hard exit below.
+_supervisor_gone = threading.Event()
+
+
+def supervisor_gone() -> bool:
+    """Whether the lifeline has read the supervisor's death: nobody restarts this group, so stop at once."""
+    return _supervisor_gone.is_set()
 
 
 def die_with_parent(lifeline: Connection | None, grace_seconds: float = 3.0, runtime_dir: str = "") -> None:
@@ -43,6 +53,7 @@ def die_with_parent(lifeline: Connection | None, grace_seconds: float = 3.0, run
         log.warning("the supervisor is gone: exiting")
         if runtime_dir:
             _remove_when_orphaned(runtime_dir, supervisor)
+        _supervisor_gone.set()
         os.kill(os.getpid(), signal.SIGTERM)
         # SIGTERM starts a clean stop; if that stalls, do not outlive the grace period.
         threading.Timer(grace_seconds, lambda: os._exit(1)).start()

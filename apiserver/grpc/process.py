@@ -35,6 +35,7 @@ from apiserver.process import ENGINE_GONE_EXIT_CODE, enter_process, reach_engine
 from apiserver.server import StopSignals, beat_forever
 from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
+from ipc.lifeline import supervisor_gone
 
 log = logging.getLogger("apiserver")
 # The loop holds only weak references to tasks: these keep the fire-and-forget ones alive until they finish.
@@ -127,7 +128,8 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
 
 
 class _StopRequests:
-    """SIGTERM/SIGINT start the drain; a second one cuts it short (running calls are cancelled). An engine that
+    """SIGTERM/SIGINT start the drain; a second one, or any once the supervisor is gone, cuts it short (running
+    calls are cancelled). An engine that
     stopped answering drains the server too, and the process then exits with ENGINE_GONE_EXIT_CODE."""
 
     def __init__(self, server: grpc.aio.Server, early: StopSignals):
@@ -141,7 +143,7 @@ class _StopRequests:
             self._event.set()
 
     def _on_signal(self) -> None:
-        if self._event.is_set():
+        if self._event.is_set() or supervisor_gone():
             log.warning("second stop signal: cancelling the calls still running")
             _in_background(self._server.stop(None))
         self._event.set()
