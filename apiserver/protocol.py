@@ -39,6 +39,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # and below the vocabulary's size, checked later
+MAX_LABEL_LENGTH = 1024  # `prompt_cache_key`, `safety_identifier`: kept no further than the request's parse
 MAX_REQUEST_ID_LENGTH = 256  # the body's `request_id`, and the X-Request-Id header (apiserver.serving)
 
 
@@ -170,6 +171,11 @@ class _SamplingFields(_Strict):
     presence_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
+    # OpenAI's successors of `user`, labels that ask for nothing here: a prefix-cache routing hint (the engine
+    # caches prefixes by their tokens anyway) and an end user's id for abuse monitoring. Newer SDKs and the
+    # applications on them send both; refusing them broke such clients for nothing.
+    prompt_cache_key: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
+    safety_identifier: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     store: Literal[False] | None = None

@@ -1,6 +1,7 @@
 """Every error through raw HTTP: the OpenAI error body with the right status, naming the field at fault;
 never a 500 for bad input, never a traceback. And what clients see when the engine dies."""
 import httpx
+import openai
 import pytest
 
 from tests.supervise_process import Supervise
@@ -99,6 +100,20 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
                          ("metadata", too_many), ("logit_bias", {"5": 1})):
         assert field in assert_error(chat(http, **{field: value}), 400)["param"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
+
+
+def test_the_labels_newer_openai_clients_send_pass(sim, http):
+    """`prompt_cache_key` and `safety_identifier` label a request and ask for nothing; the openai package sends
+    them as it sends `user`. `verbosity` asks for shorter or longer answers: still refused by name."""
+    client = openai.OpenAI(base_url=sim.base_url, api_key="unused", max_retries=0, timeout=30)
+    answer = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, prompt_cache_key="tenant-7",
+                                            safety_identifier="user-1b2c")
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 2
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                  "prompt_cache_key": "k", "safety_identifier": "s"})
+    assert response.status_code == 200, response.text
+    for field, value in (("prompt_cache_key", "k" * 1025), ("safety_identifier", 7), ("verbosity", "low")):
+        assert_error(chat(http, max_tokens=1, **{field: value}), 400, field)
 
 
 def test_stream_options_only_with_a_stream(http):
