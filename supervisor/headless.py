@@ -36,6 +36,7 @@ from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import ChildExited, EventSource, LinkEvent, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
 from supervisor.layout import Layout, engine_host_toward, layout_of
+from supervisor.open_files import raise_open_files_limit
 from supervisor.signals import STOP_SIGNALS, SignalInbox, describe_exit
 from supervisor.startup import StartupFailed, StopRequested
 from supervisor.systemd import SystemdNotifier
@@ -112,6 +113,7 @@ class HeadLink:
 def serve_headless(config: ServeConfig) -> int:
     setproctitle("supervise: supervisor (headless)")
     setup_logging("supervisor", config.log_level)
+    raise_open_files_limit()  # before any child: they inherit it
     layout = layout_of(config)
     try:
         curve = load_keys(config.data_parallel_key_file)

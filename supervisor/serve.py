@@ -16,6 +16,7 @@ from supervisor.events import EventSource, Timers
 from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
 from supervisor.layout import layout_of
+from supervisor.open_files import raise_open_files_limit
 from supervisor.registration import Registry
 from supervisor.listen_socket import BadAddress, BadSocketActivation, PortInUse, bound_address, open_listen_socket
 from supervisor.signals import SignalInbox
@@ -29,6 +30,7 @@ log = logging.getLogger("supervisor")
 def serve(config: ServeConfig) -> int:
     setproctitle("supervise: supervisor")
     setup_logging("supervisor", config.log_level)
+    raise_open_files_limit()  # before any child: they inherit it
     notifier = SystemdNotifier()
     layout = layout_of(config)
     try:

@@ -30,8 +30,8 @@ def start_supervise():
     """start_supervise(*args) -> a serving Supervise; every group started is stopped after the test."""
     started: list[Supervise] = []
 
-    def start(*args: str, env: dict | None = None, wait: bool = True) -> Supervise:
-        server = Supervise(*args, env=env)
+    def start(*args: str, env: dict | None = None, wait: bool = True, prefix: list[str] = ()) -> Supervise:
+        server = Supervise(*args, env=env, prefix=prefix)
         started.append(server)
         return server.wait_serving() if wait else server
 
