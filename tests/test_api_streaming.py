@@ -48,7 +48,9 @@ def test_disconnect_aborts_in_the_engine_within_a_step(slow):
     closed = time.monotonic()
     while engine_stats(slow)["num_running"] and time.monotonic() - closed < 5:
         time.sleep(0.01)
-    assert time.monotonic() - closed < 0.2  # two steps of 100 ms at most, whatever the scheduling noise
+    # Within a few steps of 100 ms (the abort needs one, the polling above one more; a loaded 2-core machine read
+    # 216 ms once), not the 200 s the stream had left.
+    assert time.monotonic() - closed < 0.5
     assert engine_stats(slow)["num_aborted"] == before + 1
 
 
