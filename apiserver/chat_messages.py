@@ -25,11 +25,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 def message_dict(message: ChatMessage) -> dict:
     """A message as chat templates expect it: a string content, `developer` as `system`, tool calls with their
     arguments as objects (as vLLM hands them to templates, which write them with `tojson`)."""
-    content = message.content
-    if content is None:
-        content = ""
-    elif not isinstance(content, str):
-        content = "\n".join(part.text for part in content)
+    content = content_text(message)
     role = "system" if message.role == "developer" else message.role
     out: dict = {"role": role, "content": content}
     if message.name is not None:
@@ -41,6 +37,14 @@ def message_dict(message: ChatMessage) -> dict:
     if message.reasoning_content is not None:
         out["reasoning_content"] = message.reasoning_content
     return out
+
+
+def content_text(message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined by newlines, none as "")."""
+    content = message.content
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 def _call_dict(call) -> dict:

@@ -35,9 +35,13 @@ class ReasoningParser:
         self.always_reasons = name == "deepseek_r1"
         self._may_open = start_is_one_token
 
-    def opened_by(self, prompt_tail: str) -> bool:
-        """Whether the output starts inside the reasoning, given the end of the prompt's text."""
-        return self.always_reasons or prompt_tail.rstrip().endswith(START)
+    def opened_by(self, prompt_tail: str, continued: str | None = None) -> bool:
+        """Whether the output starts inside the reasoning, given the end of the prompt's text and, under
+        continue_final_message, the text of the message it continues: one that opened the reasoning and has
+        not closed it (`<think>Let me see`) goes on inside it."""
+        if self.always_reasons or prompt_tail.rstrip().endswith(START):
+            return True
+        return continued is not None and continued.rfind(START) > continued.rfind(END)
 
     def constrain(self, grammar: str, opened: bool) -> str:
         """A structured output's grammar, applied after the reasoning (if any)."""

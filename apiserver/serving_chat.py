@@ -12,6 +12,7 @@ import time
 import orjson
 from starlette.requests import Request
 
+from apiserver.chat_messages import content_text
 from apiserver.chat_output import OutputShape, StreamedMessage, message
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
@@ -62,7 +63,8 @@ class ChatServing(GenerationServing):
         )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = max_tokens_for(len(prompt), requested, ctx.model.max_model_len, "messages")
-        shape = self._output_shape(prompt, tools.parser)
+        continued = content_text(req.messages[-1]) if req.continue_final_message else None
+        shape = self._output_shape(prompt, tools.parser, continued)
         if tools.schema is not None:
             grammar = await schema_grammar(tools.schema, ctx.grammars, "tools")
         grammar_param = None
@@ -99,14 +101,15 @@ class ChatServing(GenerationServing):
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, shape),
         )
 
-    def _output_shape(self, prompt: list[int], tool_parser) -> OutputShape | None:
-        """How to read the choices' text; None: as it is."""
+    def _output_shape(self, prompt: list[int], tool_parser, continued: str | None) -> OutputShape | None:
+        """How to read the choices' text; None: as it is. `continued`: the final message's text, when the output
+        continues it."""
         if self.reasoning is None and tool_parser is None:
             return None
         opened = False
         if self.reasoning is not None:
             tail = self.ctx.renderer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-            opened = self.reasoning.opened_by(tail)
+            opened = self.reasoning.opened_by(tail, continued)
         return OutputShape(self.reasoning is not None, opened, tool_parser)
 
     def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int,

@@ -92,6 +92,12 @@ def test_deepseek_r1_always_starts_in_reasoning_qwen3_when_the_prompt_opens_it()
     assert ReasoningParser("deepseek_r1", False).opened_by("<|im_start|>assistant\n")
     assert ReasoningParser("qwen3", False).opened_by("<|im_start|>assistant\n<think>\n")
     assert not ReasoningParser("qwen3", False).opened_by("<|im_start|>assistant\n")
+    # Continuing a message (continue_final_message) that opened the reasoning and has not closed it.
+    qwen3 = ReasoningParser("qwen3", False)
+    assert qwen3.opened_by("Let me see", continued="<think>Let me see")
+    assert not qwen3.opened_by("The answer", continued="<think>hm</think>The answer")
+    assert not qwen3.opened_by("Let me see", continued="Let me see")
+    assert not qwen3.opened_by("<think>x", continued=None)  # a prompt's earlier text is not the output's start
 
 
 @functools.lru_cache(maxsize=1)

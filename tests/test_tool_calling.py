@@ -160,6 +160,19 @@ def test_reasoning_content_whole_and_streamed(client, model):
     assert plain.content and plain.reasoning_content is None  # not opened: no reasoning
 
 
+def test_continuing_a_message_whose_reasoning_is_open_goes_on_in_the_reasoning(client, model):
+    """continue_final_message on `<think>Let me see`: the output is the rest of that reasoning, not content."""
+    messages = [{"role": "user", "content": "Is 17 a prime number?"},
+                {"role": "assistant", "content": "<think>Let me see"}]
+    args = dict(model=model, messages=messages, max_tokens=6, temperature=0,
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    reply = client.chat.completions.create(**args).choices[0].message
+    assert reply.reasoning_content and reply.content is None, reply
+    closed = [messages[0], {"role": "assistant", "content": "<think>hm</think>The answer"}]
+    plain = client.chat.completions.create(**{**args, "messages": closed}).choices[0].message
+    assert plain.content and plain.reasoning_content is None, plain
+
+
 def test_bad_tool_requests_are_400(client, model):
     bad = [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
