@@ -129,8 +129,8 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
 
 class _StopRequests:
     """SIGTERM/SIGINT start the drain; a second one, or any once the supervisor is gone, cuts it short (running
-    calls are cancelled). An engine that
-    stopped answering drains the server too, and the process then exits with ENGINE_GONE_EXIT_CODE."""
+    calls are cancelled). An engine that stopped answering drains the server too, and the process then exits
+    with ENGINE_GONE_EXIT_CODE."""
 
     def __init__(self, server: grpc.aio.Server, early: StopSignals):
         self._server = server
@@ -144,7 +144,8 @@ class _StopRequests:
 
     def _on_signal(self) -> None:
         if self._event.is_set() or supervisor_gone():
-            log.warning("second stop signal: cancelling the calls still running")
+            log.warning("%s: cancelling the calls still running",
+                        "the supervisor is gone" if supervisor_gone() else "second stop signal")
             _in_background(self._server.stop(None))
         self._event.set()
 
