@@ -172,8 +172,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
     # OpenAI's successors of `user`, labels that ask for nothing here: a prefix-cache routing hint (the engine
-    # caches prefixes by their tokens anyway) and an end user's id for abuse monitoring. Newer SDKs and the
-    # applications on them send both; refusing them broke such clients for nothing.
+    # caches prefixes by their tokens anyway) and an end user's id for abuse monitoring. The openai package takes
+    # both as arguments and applications pass them on; refusing them broke such clients for nothing.
     prompt_cache_key: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     safety_identifier: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     response_format: ResponseFormat | None = None

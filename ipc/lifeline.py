@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # Set before the lifeline's SIGTERM: a stop signal seen once it is set stops at once. The parent-death signal and
 # the lifeline's are both SIGTERM, and two that arrive before the handler runs are one (the kernel and Python
-# each keep one pending flag per signal), so "the second signal forces" alone left some stops graceful, with a
-# stream of minutes held past the hard exit below.
+# each keep one pending flag per signal), so "the second signal forces" alone left some stops graceful: uvicorn
+# waited for the streams, and the hard exit below cut them without a word.
 _supervisor_gone = threading.Event()
 
 
