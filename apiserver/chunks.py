@@ -7,6 +7,7 @@ from __future__ import annotations
 import orjson
 
 from apiserver.generation import Delta, Generation
+from apiserver.streaming import DONE, error_event
 from apiserver.usage import usage
 from ipc.config import ServeConfig
 
@@ -41,6 +42,12 @@ class ChunkWriterBase:
 
     def usage(self, generation: Generation) -> bytes:
         return self._head + b'],"usage":' + orjson.dumps(usage(generation, self._config)) + b"}\n\n"
+
+    def end(self, generation: Generation) -> bytes:
+        return DONE
+
+    def error(self, error) -> bytes:
+        return error_event(error) + DONE
 
     def event(self, index: int, text: str, logprobs: bytes, tail: bytes) -> bytes:
         raise NotImplementedError

@@ -4,7 +4,8 @@ The response is a bare ASGI callable rather than Starlette's StreamingResponse: 
 the endpoint's chunk writer, sent as it is, with no per-chunk encoding and no anyio task group per request.
 It runs the generation (apiserver/generation_run.py) itself: admission and the engine start happen when it is
 called, so a 503 is raised to the app's exception handlers before any byte. Status 200 goes out next; an error
-after that becomes a `data:` error event, and `data: [DONE]` always ends the stream.
+after that becomes an error event. The writer says how a stream ends: chat and completions with `data: [DONE]`,
+the Responses API with its `response.completed` event.
 
 Where the connection offers its body directly (apiserver/direct_body.py, --direct-stream-events), the events
 between the head and the last go straight to it, and while the response waits for outputs, the engine
@@ -46,6 +47,14 @@ class ChunkWriter(Protocol):
 
     def usage(self, generation: Generation) -> bytes: ...
 
+    def end(self, generation: Generation) -> bytes:
+        """What closes a stream that finished (after the last changes and the usage)."""
+        ...
+
+    def error(self, error) -> bytes:
+        """What closes a stream that failed: the error (an ApiError) as an event."""
+        ...
+
 
 class EventStreamResponse:
     status_code = 200
@@ -64,9 +73,9 @@ class EventStreamResponse:
                 generation.push_to(push_events(generation, self._writer, body))
             events = stream_events(generation, self._writer, self._include_usage, self._keep_alive)
             try:
-                async for event in events:
-                    # The last event ends with [DONE]: it goes out in the same write as the end of the body.
-                    if event.endswith(DONE):
+                async for event, last in events:
+                    # The last event goes out in the same write as the end of the body.
+                    if last:
                         await send({"type": "http.response.body", "body": event, "more_body": False})
                         break
                     if body is not None and body.writable():
@@ -101,26 +110,26 @@ def push_events(generation: Generation, writer: ChunkWriter, body: DirectBody):
 
 async def stream_events(
     generation: Generation, writer: ChunkWriter, include_usage: bool, keep_alive: float | None
-) -> AsyncIterator[bytes]:
-    """The events of one streamed generation, from its first chunk to `data: [DONE]`, which always comes
-    in the same event as the last chunk (one write instead of three at the end of every stream)."""
-    tail = DONE
+) -> AsyncIterator[tuple[bytes, bool]]:
+    """(events, whether they are the last) of one streamed generation, from its first chunk to the writer's end,
+    which always comes in the same write as the last chunk (one write instead of three at the end of every
+    stream)."""
     try:
         first = writer.first(generation)
         if first:
-            yield first
+            yield first, False
         while True:
             changed = await generation.next_changes(keep_alive)
             if generation.done:
                 usage = writer.usage(generation) if include_usage else b""
-                tail = writer.changes(generation.take(changed)) + usage + DONE
+                tail = writer.changes(generation.take(changed)) + usage + writer.end(generation)
                 break
             if changed:
                 chunk = writer.changes(generation.take(changed))
                 if chunk:  # empty while text is held back (a partial character, a possible stop string)
-                    yield chunk
+                    yield chunk, False
             else:
-                yield KEEP_ALIVE
+                yield KEEP_ALIVE, False
     except RequestAborted:
         return  # the client is gone: nobody to tell
     except Exception as exc:
@@ -128,8 +137,8 @@ async def stream_events(
             log.error("unexpected error while streaming a response", exc_info=exc)
         error = as_api_error(exc)
         log_server_error(error, exc, getattr(exc, "request_id", None) or generation.request_id, "stream")
-        tail = error_event(error) + DONE
-    yield tail
+        tail = writer.error(error)
+    yield tail, True
 
 
 def error_event(error) -> bytes:
