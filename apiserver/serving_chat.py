@@ -8,6 +8,7 @@ first chunk then times the first token, as with vLLM."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import orjson
 from starlette.requests import Request
@@ -28,6 +29,13 @@ from apiserver.tool_choice import tool_plan
 from apiserver.usage import usage
 from apiserver.validation import parse_request_body
 
+
+class Prepared(NamedTuple):
+    generation: Generation
+    shape: OutputShape | None  # None: the text as it is (no tools, no reasoning parser)
+    top_n: int  # top logprobs per token
+
+
 # How much of the prompt's end to decode to see whether the chat template opened the reasoning.
 _PROMPT_TAIL_TOKENS = 4
 
@@ -43,6 +51,22 @@ class ChatServing(GenerationServing):
     async def create(self, request: Request, body: bytes | None = None):
         """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
         req = await parse_request_body(ChatCompletionRequest, body if body is not None else await request.body())
+        generation, shape, top_n = await self.prepare(request, req)
+        response_id = "chatcmpl-" + generation.request_id
+        created = int(time.time())
+        options = req.stream_options
+        if shape is None:
+            writer = ChatChunkWriter(self, response_id, created, top_n)
+        else:
+            writer = ShapedChatChunkWriter(self, response_id, created, top_n, shape)
+        return await self.respond(
+            request, generation, req.stream, writer, bool(options and options.include_usage),
+            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, shape),
+        )
+
+    async def prepare(self, request: Request, req: ChatCompletionRequest) -> Prepared:
+        """The checked request's generation (not started), and how to read its text (also the Responses API's:
+        apiserver/serving_responses.py)."""
         self.check_model(req.model)
         self.check_engine()
         if req.top_logprobs and not req.logprobs:
@@ -89,17 +113,7 @@ class ChatServing(GenerationServing):
             ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
             eos_token_ids=ctx.model.eos_token_ids,
         )
-        response_id = "chatcmpl-" + request_id
-        created = int(time.time())
-        options = req.stream_options
-        if shape is None:
-            writer = ChatChunkWriter(self, response_id, created, top_n)
-        else:
-            writer = ShapedChatChunkWriter(self, response_id, created, top_n, shape)
-        return await self.respond(
-            request, generation, req.stream, writer, bool(options and options.include_usage),
-            lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, shape),
-        )
+        return Prepared(generation, shape, top_n)
 
     def _output_shape(self, prompt: list[int], tool_parser, continued: str | None) -> OutputShape | None:
         """How to read the choices' text; None: as it is. `continued`: the final message's text, when the output
