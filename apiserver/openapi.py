@@ -13,6 +13,7 @@ from apiserver.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from apiserver.protocol_responses import ResponsesRequest
 
 _ERROR_SCHEMA = {
     "type": "object",
@@ -54,8 +55,8 @@ def _responses(ok: str, *errors: int) -> dict:
 def openapi_schema(routes: list[tuple[str, str, str]], api_key: bool) -> dict:
     """`routes`: (path, method, summary) of the routes this server has."""
     _, definitions = models_json_schema(
-        [(m, "validation") for m in (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
-                                     TokenizeChatRequest, DetokenizeRequest)],
+        [(m, "validation") for m in (ChatCompletionRequest, CompletionRequest, ResponsesRequest,
+                                     TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)],
         ref_template="#/components/schemas/{model}",
     )
     schemas = definitions["$defs"]
@@ -69,6 +70,7 @@ def openapi_schema(routes: list[tuple[str, str, str]], api_key: bool) -> dict:
     bodies = {
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
         "/v1/completions": "#/components/schemas/CompletionRequest",
+        "/v1/responses": "#/components/schemas/ResponsesRequest",
         "/invocations": "#/components/schemas/InvocationRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",

@@ -16,6 +16,7 @@ from apiserver.gateway_routes import GatewayRoutes
 from apiserver.info_routes import DevRoutes, InfoRoutes
 from apiserver.serving_chat import ChatServing
 from apiserver.serving_completion import CompletionServing
+from apiserver.serving_responses import ResponsesServing
 from apiserver.serving_tokenize import TokenizeServing
 from apiserver.validation import parsing
 
@@ -62,6 +63,8 @@ def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
     table = [
         ("/v1/chat/completions", chat.create, ["POST"], "Create a chat completion"),
         ("/v1/completions", completion.create, ["POST"], "Create a completion"),
+        ("/v1/responses", ResponsesServing(chat).create, ["POST"], "Create a response (OpenAI's Responses API; "
+                                                                      "nothing stored)"),
         ("/v1/models", info.models, ["GET"], "List the served model"),
         ("/health", info.health, ["GET"], "200 while the engine is alive, else 503"),
         ("/ping", info.health, ["GET", "POST"], "SageMaker health check: as /health"),

@@ -1,0 +1,114 @@
+"""The `response` object of the Responses API, whole or as its stream's events show it: what the request asked
+(echoed, as OpenAI does), the output items, the status and the usage.
+
+The output of one choice is its reasoning (a `reasoning` item), its content (a `message` item with one
+`output_text` part) and its tool calls (a `function_call` item each), in that order. A response cut off by
+`max_output_tokens` is `incomplete`, its last item too.
+"""
+from __future__ import annotations
+
+import time
+
+from apiserver.generation import Generation
+from apiserver.protocol_responses import ResponsesRequest
+
+INCOMPLETE_DETAILS = {"reason": "max_output_tokens"}
+
+
+class ResponseFrame:
+    """One response's fixed fields, and its items' ids."""
+
+    def __init__(self, req: ResponsesRequest, request_id: str, model_name: str):
+        self.request_id = request_id
+        self.id = "resp_" + request_id
+        self._fields = {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model_name,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tools": [] if req.tools is None else [tool.model_dump(exclude_none=True) for tool in req.tools],
+            "tool_choice": _choice(req.tool_choice, req.tools),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": {"format": {"type": "text"} if req.text is None or req.text.format is None
+                     else req.text.format.model_dump(by_alias=True, exclude_none=True)},
+            "reasoning": {"effort": None, "summary": None},
+            "truncation": "disabled",
+            "previous_response_id": None,
+            "store": False,  # whatever the request said: nothing is kept
+            "background": False,
+            "user": req.user,
+            "metadata": req.metadata or {},
+            "error": None,
+        }
+
+    def item_id(self, prefix: str, output_index: int) -> str:
+        return f"{prefix}_{self.request_id}_{output_index}"
+
+    def response(self, status: str, output: list[dict], response_usage: dict | None = None) -> dict:
+        return {
+            **self._fields,
+            "status": status,
+            "incomplete_details": INCOMPLETE_DETAILS if status == "incomplete" else None,
+            "output": output,
+            "usage": response_usage,
+        }
+
+
+def _choice(choice, tools) -> str | dict:
+    if choice is None:
+        return "auto" if tools else "none"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(frame: ResponseFrame, fields: dict, status: str) -> list[dict]:
+    """A whole answer's items from its message fields (apiserver.chat_output.message's, or the plain text's
+    `content`)."""
+    items: list[dict] = []
+    if fields.get("reasoning_content"):
+        items.append(reasoning_item(frame.item_id("rs", len(items)), fields["reasoning_content"]))
+    if fields.get("content"):
+        items.append(message_item(frame.item_id("msg", len(items)), fields["content"]))
+    for call in fields.get("tool_calls") or ():
+        function = call["function"]
+        items.append(call_item(frame.item_id("fc", len(items)), call["id"], function["name"], function["arguments"]))
+    if items and status == "incomplete":
+        items[-1]["status"] = "incomplete"
+    return items
+
+
+def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [text_part(text)]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def response_usage(generation: Generation, reasoning_tokens: int) -> dict:
+    prompt, completion = generation.num_prompt_tokens, generation.num_completion_tokens
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": generation.num_cached_tokens},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt + completion,
+    }

@@ -1,0 +1,66 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless. The request is read as the chat completion it asks for
+(apiserver/responses_input.py) and goes the chat path (apiserver/serving_chat.py: the template, tools, structured
+outputs, the reasoning parser); the answer is a `response` object (apiserver/responses_output.py) or a stream of
+its typed events (apiserver/responses_stream.py). Nothing is stored: there is no GET, cancel or delete of a
+response, and no `previous_response_id`."""
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from apiserver.chat_output import message
+from apiserver.errors import ApiError
+from apiserver.generation import Delta, Generation
+from apiserver.protocol_responses import ResponsesRequest
+from apiserver.responses_input import chat_request
+from apiserver.responses_output import ResponseFrame, output_items, response_usage, status_of
+from apiserver.responses_stream import ResponseEventWriter
+from apiserver.serving_chat import ChatServing
+from apiserver.validation import parse_request_body
+
+
+# The chat request's fields that errors from the chat path name, as this request calls them.
+_FIELD_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens",
+                "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+class ResponsesServing:
+    def __init__(self, chat: ChatServing):
+        self._chat = chat
+        self.ctx = chat.ctx
+
+    async def create(self, request: Request):
+        req = await parse_request_body(ResponsesRequest, await request.body())
+        try:
+            generation, shape, _ = await self._chat.prepare(request, chat_request(req))
+        except ApiError as exc:
+            raise _renamed(exc) from None
+        frame = ResponseFrame(req, generation.request_id, self.ctx.model_name)
+        writer = ResponseEventWriter(frame, shape, self.count_tokens)
+        return await self._chat.respond(
+            request, generation, req.stream, writer, False,
+            lambda gen, deltas: self.whole_body(gen, deltas, frame, shape),
+        )
+
+    def whole_body(self, generation: Generation, deltas: list[Delta], frame: ResponseFrame, shape) -> dict:
+        delta = deltas[0]  # one choice: the Responses API has no `n`
+        fields = {"content": delta.text} if shape is None else message(delta.text, shape, delta.finish_reason)[0]
+        status = status_of(delta.finish_reason)
+        usage = response_usage(generation, self.count_tokens(fields.get("reasoning_content") or ""))
+        return frame.response(status, output_items(frame, fields, status), usage)
+
+    def count_tokens(self, text: str) -> int:
+        """The reasoning's tokens, for the usage: the engine counts the output's tokens, not which were
+        reasoning."""
+        renderer = self.ctx.renderer  # None only in a gRPC API server, which has no such route
+        return len(renderer.encode(text, add_special_tokens=False)) if text and renderer is not None else 0
+
+
+def _renamed(error: ApiError) -> ApiError:
+    """`error` naming this request's fields. A chat message's index is not an input item's (instructions come
+    first, calls join their message): `messages.N` is all of `input`."""
+    name = _FIELD_NAMES.get((error.param or "").partition(".")[0])
+    if name is not None:
+        error.param = name
+        for chat_name, own_name in _FIELD_NAMES.items():
+            error.message = error.message.replace(f"`{chat_name}`", f"`{own_name}`")
+    return error

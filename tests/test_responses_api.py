@@ -1,0 +1,147 @@
+"""POST /v1/responses (OpenAI's Responses API, stateless) end to end with the embedded model and the `openai`
+client, as an application uses it: text, whole and streamed; a conversation passed back as the earlier
+response's output items; forced function calls and their outputs; a cut-off answer; and what is refused."""
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.test_tool_calling import WEATHER
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _streamed(stream_manager) -> tuple[list, object]:
+    with stream_manager as stream:
+        events = list(stream)
+        return events, stream.get_final_response()
+
+
+def test_text_whole_and_streamed(served):
+    client = _client(served)
+    args = dict(model=MODEL, input="Name a colour.", instructions="Answer in one word.", max_output_tokens=12,
+                temperature=0)
+    whole = client.responses.create(**args)
+    assert whole.object == "response" and whole.id.startswith("resp_") and whole.status == "completed"
+    assert whole.output_text.strip() and [item.type for item in whole.output] == ["message"]
+    assert whole.output[0].role == "assistant" and whole.output[0].status == "completed"
+    usage = whole.usage
+    assert usage.input_tokens > 10 and 0 < usage.output_tokens <= 12
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert whole.instructions == "Answer in one word." and whole.store is False
+
+    events, final = _streamed(client.responses.stream(**args))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text
+    assert final.usage.output_tokens == usage.output_tokens and final.status == "completed"
+
+
+def test_cut_off_by_max_output_tokens(served):
+    client = _client(served)
+    args = dict(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3)
+    whole = client.responses.create(**args)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 3 and whole.output[-1].status == "incomplete"
+    # OpenAI's own end for it; the client's stream helper waits for response.completed, so the raw events.
+    events = list(client.responses.create(stream=True, **args))
+    assert [event.type for event in events if event.type.startswith("response.") and "." not in event.type[9:]] == [
+        "response.created", "response.in_progress", "response.incomplete"]
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output[-1].status == "incomplete"
+    assert final.usage.output_tokens == 3
+
+
+def test_conversation_passed_back(served):
+    """The documented way to go on without stored state: the earlier output items, as the client got them, in
+    the next request's input."""
+    client = _client(served)
+    turn = [{"role": "user", "content": "My name is Ada. Say hello."}]
+    first = client.responses.create(model=MODEL, input=turn, max_output_tokens=16, temperature=0)
+    history = turn + first.output + [{"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]}]
+    second = client.responses.create(model=MODEL, input=history, max_output_tokens=16, temperature=0)
+    assert second.output_text.strip()
+    # The earlier turn reached the prompt: the answer it got is in the second prompt's tokens.
+    assert second.usage.input_tokens >= first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_forced_function_call_and_its_output(served_with_tools):
+    client = _client(served_with_tools)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model=MODEL, input=ask, tools=[WEATHER_TOOL], max_output_tokens=40, temperature=0,
+                tool_choice={"type": "function", "name": "get_weather"})
+    whole = client.responses.create(**args)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [call.name for call in calls] == ["get_weather"] and whole.status == "completed"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
+
+    events, final = _streamed(client.responses.stream(**args))
+    pieces = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    done = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == pieces and json.loads(pieces) == json.loads(calls[0].arguments)
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert added[-1].type == "function_call" and added[-1].name == "get_weather"
+    assert [item.type for item in final.output if item.type == "function_call"] == ["function_call"]
+
+    required = client.responses.create(**{**args, "tool_choice": "required"})
+    assert [item.name for item in required.output if item.type == "function_call"] == ["get_weather"]
+
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 degrees."}
+    answer = client.responses.create(model=MODEL, input=ask + whole.output + [result], tools=[WEATHER_TOOL],
+                                     tool_choice="none", max_output_tokens=24, temperature=0)
+    assert answer.output_text.strip() and not [item for item in answer.output if item.type == "function_call"]
+    assert answer.tool_choice == "none"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input.0.content.0"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "thinking"}]}]}, "input"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": "hot"}, "temperature"),
+    ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"input": {"role": "user", "content": "hi"}}, "input"),
+    # Refused on the chat path, named as this request names them.
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+     "text.format"),
+    ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "many words " * 6000}, "input"),
+    ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+])
+def test_refused_with_the_field_named(served, body, param):
+    response = httpx.post(served.base_url + "/responses", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert "Traceback" not in error["message"] and "response_format" not in error["message"]
+
+
+def test_nothing_is_stored(served):
+    client = _client(served)
+    with pytest.raises(openai.BadRequestError, match="nothing is stored"):
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")
+    created = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    assert httpx.post(served.base_url + "/responses", content=b"{not json", timeout=60).status_code == 400
+    unknown = httpx.post(served.base_url + "/responses", json={"model": "gpt-4o", "input": "hi"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
