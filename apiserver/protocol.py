@@ -105,8 +105,12 @@ class StructuredOutputs(_Strict):
     disable_additional_properties: StrictBool = False
 
 
+# A function tool's name, as OpenAI allows it (chat completions' and the Responses API's tools).
+ToolName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
 class FunctionDefinition(_Strict):
-    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    name: ToolName
     description: StrictStr | None = None
     parameters: JsonObject | None = None
     strict: StrictBool | None = None

@@ -15,10 +15,9 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 
 from apiserver.protocol import (
-    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, NoValue, StrictNumber, _Strict, nulls_mean_default,
+    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, NoValue, StrictNumber, ToolName, _Strict, nulls_mean_default,
 )
 
-FunctionName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -132,7 +131,7 @@ class FunctionTool(_Strict):
     fields are FunctionDefinition's, after `type`: checked first, a hosted tool's error names its type."""
 
     type: Literal["function"]
-    name: FunctionName
+    name: ToolName
     description: StrictStr | None = None
     parameters: JsonObject | None = None
     strict: StrictBool | None = None

@@ -103,6 +103,10 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}
 
 
+def reasoning_text(output: list[dict]) -> str:
+    return "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+
+
 def response_usage(generation: Generation, reasoning_tokens: int) -> dict:
     prompt, completion = generation.num_prompt_tokens, generation.num_completion_tokens
     return {

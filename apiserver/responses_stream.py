@@ -16,7 +16,7 @@ import orjson
 from apiserver.chat_output import OutputShape, StreamedMessage
 from apiserver.generation import Delta, Generation
 from apiserver.responses_output import (
-    ResponseFrame, call_item, message_item, reasoning_item, response_usage, status_of, text_part,
+    ResponseFrame, call_item, message_item, reasoning_item, reasoning_text, response_usage, status_of, text_part,
 )
 
 
@@ -47,7 +47,6 @@ class ResponseEventWriter:
         self._output: list[dict] = []  # every item announced, in output order
         self._open: list[_Item] = []  # the items not closed yet
         self._calls: dict[int, _Item] = {}  # by the parser's call index
-        self._reasoning: list[str] = []
         self._finish: str | None = None
 
     def _event(self, kind: str, **fields) -> bytes:
@@ -70,7 +69,6 @@ class ResponseEventWriter:
             else:
                 fields = self._message.feed(delta.text, delta.finish_reason is not None)
             if "reasoning_content" in fields:
-                self._reasoning.append(fields["reasoning_content"])
                 self._text(events, "reasoning", fields["reasoning_content"])
             if "content" in fields:
                 self._text(events, "message", fields["content"])
@@ -85,7 +83,7 @@ class ResponseEventWriter:
         events: list[bytes] = []
         status = status_of(self._finish)
         self._close_all(events, status)
-        usage = response_usage(generation, self._count_tokens("".join(self._reasoning)))
+        usage = response_usage(generation, self._count_tokens(reasoning_text(self._output)))
         events.append(self._event("response." + status, response=self._frame.response(status, self._output, usage)))
         return b"".join(events)
 

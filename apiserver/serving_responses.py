@@ -12,7 +12,7 @@ from apiserver.errors import ApiError
 from apiserver.generation import Delta, Generation
 from apiserver.protocol_responses import ResponsesRequest
 from apiserver.responses_input import chat_request
-from apiserver.responses_output import ResponseFrame, output_items, response_usage, status_of
+from apiserver.responses_output import ResponseFrame, output_items, reasoning_text, response_usage, status_of
 from apiserver.responses_stream import ResponseEventWriter
 from apiserver.serving_chat import ChatServing
 from apiserver.validation import parse_request_body
@@ -45,8 +45,8 @@ class ResponsesServing:
         delta = deltas[0]  # one choice: the Responses API has no `n`
         fields = {"content": delta.text} if shape is None else message(delta.text, shape, delta.finish_reason)[0]
         status = status_of(delta.finish_reason)
-        usage = response_usage(generation, self.count_tokens(fields.get("reasoning_content") or ""))
-        return frame.response(status, output_items(frame, fields, status), usage)
+        output = output_items(frame, fields, status)
+        return frame.response(status, output, response_usage(generation, self.count_tokens(reasoning_text(output))))
 
     def count_tokens(self, text: str) -> int:
         """The reasoning's tokens, for the usage: the engine counts the output's tokens, not which were
