@@ -52,6 +52,7 @@ class ResponseFrame:
         return {
             **self._fields,
             "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "incomplete_details": INCOMPLETE_DETAILS if status == "incomplete" else None,
             "output": output,
             "usage": response_usage,

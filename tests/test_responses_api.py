@@ -8,6 +8,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.supervise_process import Supervise
 from tests.test_tool_calling import WEATHER
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,6 +37,7 @@ def test_text_whole_and_streamed(served):
     assert usage.input_tokens > 10 and 0 < usage.output_tokens <= 12
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert whole.instructions == "Answer in one word." and whole.store is False
+    assert whole.completed_at >= whole.created_at
 
     events, final = _streamed(client.responses.stream(**args))
     kinds = [event.type for event in events]
@@ -51,6 +53,7 @@ def test_cut_off_by_max_output_tokens(served):
     args = dict(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3)
     whole = client.responses.create(**args)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.completed_at is None
     assert whole.usage.output_tokens == 3 and whole.output[-1].status == "incomplete"
     # OpenAI's own end for it; the client's stream helper waits for response.completed, so the raw events.
     events = list(client.responses.create(stream=True, **args))
@@ -149,3 +152,52 @@ def test_nothing_is_stored(served):
     assert httpx.post(served.base_url + "/responses", content=b"{not json", timeout=60).status_code == 400
     unknown = httpx.post(served.base_url + "/responses", json={"model": "gpt-4o", "input": "hi"}, timeout=60)
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def reasoning_served():
+    """The embedded model under --reasoning-parser deepseek_r1: every output starts in the reasoning, and this
+    model never closes it, so each answer has a reasoning item (the chat template is the model's own)."""
+    with Supervise("--api-server-count", "1", "--reasoning-parser", "deepseek_r1",
+                   "--kv-cache-memory", str(128 * 2**20)) as server:
+        yield server
+
+
+def test_reasoning_item_whole_and_streamed(reasoning_served):
+    """The reasoning a chat completion gives as `reasoning_content` is the response's reasoning item, whole and
+    as `response.reasoning_text` events; its tokens are counted apart in the usage."""
+    client = _client(reasoning_served)
+    turn = [{"role": "user", "content": "Is 17 a prime number?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=12, temperature=0)
+    thought = chat.choices[0].message.model_extra["reasoning_content"]
+    assert thought
+    whole = client.responses.create(model=MODEL, input=turn, max_output_tokens=12, temperature=0)
+    reasoning = [item for item in whole.output if item.type == "reasoning"]
+    assert len(reasoning) == 1 and whole.output[0] is reasoning[0] and reasoning[0].id.startswith("rs_")
+    assert [part.text for part in reasoning[0].content] == [thought] and reasoning[0].summary == []
+    assert whole.output_text == (chat.choices[0].message.content or "")
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    usage = whole.usage
+    assert usage.output_tokens == chat.usage.completion_tokens
+    assert 0 < usage.output_tokens_details.reasoning_tokens <= usage.output_tokens
+
+    events = list(client.responses.create(model=MODEL, input=turn, max_output_tokens=12, temperature=0, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert added[0].type == "reasoning" and added[0].status == "in_progress"
+    item_id = added[0].id
+    deltas = [event for event in events if event.type == "response.reasoning_text.delta"]
+    assert deltas and {event.item_id for event in deltas} == {item_id}
+    done = [event for event in events if event.type == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0].text == "".join(event.delta for event in deltas) == thought
+    parts = [event.type for event in events if event.type.startswith("response.content_part.")
+             and event.item_id == item_id]
+    assert parts == ["response.content_part.added", "response.content_part.done"]
+    final = events[-1].response
+    assert final.status == whole.status and final.usage.output_tokens_details == usage.output_tokens_details
+    assert [item.model_dump(exclude={"id"}) for item in final.output] == [
+        item.model_dump(exclude={"id"}) for item in whole.output]
+
+    # Passed back as it came, the reasoning item is accepted with the rest of the conversation.
+    history = turn + whole.output + [{"role": "user", "content": "And 18?"}]
+    assert client.responses.create(model=MODEL, input=history, max_output_tokens=4).output[0].type == "reasoning"
