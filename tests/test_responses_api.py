@@ -6,6 +6,7 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.supervise_process import Supervise
@@ -140,6 +141,25 @@ def test_refused_with_the_field_named(served, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert "Traceback" not in error["message"] and "response_format" not in error["message"]
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    age: int = pydantic.Field(ge=0)
+
+
+def test_structured_output_through_the_clients_parse_helper(served):
+    """`responses.parse(text_format=...)`, as an application writes it: the client sends the model's strict JSON
+    schema as `text.format` and reads the answer back into the model, whole and streamed."""
+    client = _client(served)
+    args = dict(model=MODEL, input="Describe a person as JSON with a name and an age.", text_format=Person,
+                max_output_tokens=40, temperature=0)
+    whole = client.responses.parse(**args)
+    assert whole.status == "completed" and isinstance(whole.output_parsed, Person)
+    assert whole.text.format.type == "json_schema" and whole.text.format.name == "Person"
+    with client.responses.stream(**args) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == whole.output_parsed
 
 
 def test_nothing_is_stored(served):
