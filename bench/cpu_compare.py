@@ -27,7 +27,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine_info import machine_info  # noqa: E402
 from prompts import RandomPrompts, embedded_tokenizer_dir  # noqa: E402
-from serve import measure  # noqa: E402
+from serve import measure, parse_args as serve_args  # noqa: E402
 from supervise_launcher import start_supervise  # noqa: E402
 
 
@@ -109,9 +109,9 @@ def run_server(label: str, start, model: str | None, streams: list[int], prompts
     results = {}
     try:
         for n in streams:
-            load = argparse.Namespace(output_len=args.output_len, endpoint="completions", stream=True,
-                                      ignore_eos=True, timeout=600.0, max_concurrency=n, request_rate=float("inf"),
-                                      seed=0, max_duration=None, api_key=None)
+            # bench/serve.py's own defaults (streamed, ignore_eos, no rate limit) for whatever this does not set.
+            load = serve_args(["--base-url", server.url, "--endpoint", "completions", "--output-len", str(args.output_len),
+                               "--max-concurrency", str(n)])
             count = max(4, n * args.requests_per_stream)
             run = asyncio.run(measure(f"{server.url}/v1", model, prompts[:2], prompts[2:2 + count], load))
             s = run["summary"]
