@@ -7,6 +7,9 @@ Each table side by side in one run:
 3. one SmolLM2-135M layer's products and the LM head at decode batch sizes, per kernel: float32 row- and
    column-major, bf16 and int8 W8A8 (`--quantization bf16|int8`), and torch's int8 weight-only and int4
    (GGUF Q4_1-sized groups of 32) kernels, which the engine does not offer because of these figures;
+   then the whole model's products per kernel with every layer's own weights, read from memory as in a decode
+   step (one layer's weights stay in the caches, which favours some kernels: on a 2-core Intel Xeon MKL's
+   column-major product beat oneDNN's at one row from memory, and lost from two rows on);
 4. the engine's decode throughput per path (transformers' forward, the lean forward in float32, bf16, int8),
    interleaved --rounds times, with whether each path's greedy tokens equal float32's.
 
@@ -121,6 +124,29 @@ def products(model: torch.nn.Module, batch_sizes: list[int], slow: bool) -> None
         print(f"{rows:>3} rows: {cells}")
 
 
+def products_from_memory(model: torch.nn.Module, batch_sizes: list[int]) -> None:
+    """The whole model's products at each batch size, every layer with weights of its own: what a decode step
+    reads from memory, where the table above (one layer, best of 5) runs from the caches. One kernel kind's
+    weights at a time."""
+    shapes = product_shapes(model)
+    layers = model.config.num_hidden_layers
+    print(f"\nthe model's products from memory ({layers} layers' own weights + the LM head), ms a step, best of 3")
+    times: dict[str, list[float]] = {}
+    for name in _kernels(torch.randn(8, 8), 2, slow=False):
+        weights = [torch.randn(o, i) * 0.05 for _ in range(layers) for i, o in shapes[:-1]] + \
+                  [torch.randn(shapes[-1][1], shapes[-1][0]) * 0.05]
+        kernels = [_kernels(w, 2, slow=False)[name] for w in weights]
+        del weights
+        times[name] = [_step_seconds(kernels, rows) for rows in batch_sizes]
+    for i, rows in enumerate(batch_sizes):
+        print(f"{rows:>3} rows: " + "  ".join(f"{name} {t[i] * 1e3:.1f}" for name, t in times.items()))
+
+
+def _step_seconds(kernels: list, rows: int) -> float:
+    xs = {k.in_features: torch.randn(rows, k.in_features) for k in kernels}
+    return best_seconds(lambda: [k(xs[k.in_features]) for k in kernels], repeat=3, number=1)
+
+
 def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) -> None:
     unavailable = {"bf16": bf16_unavailable_reason(), "int8": int8_unavailable_reason()}
     for mode, reason in unavailable.items():
@@ -169,6 +195,7 @@ def main() -> None:
           f"bf16 first where native and 10% faster than float32, else int8): {why}")
     bandwidth_and_ceilings(loaded.model)
     products(loaded.model, args.batch_sizes, args.slow_kernels)
+    products_from_memory(loaded.model, args.batch_sizes)
     engine_paths(loaded, args.streams, args.rounds, args.output_len)
 
 
