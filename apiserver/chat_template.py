@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -170,6 +171,13 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from its context, beyond what it sets itself: which request variables (a
+    reasoning effort, ...) it can take at all."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
 
 
 @lru_cache(maxsize=16)

@@ -22,7 +22,7 @@ T = TypeVar("T")
 # OpenAI fields accepted only as null (or a value that asks for nothing: see _SamplingFields): a value asks for
 # something this server does not do.
 UNSUPPORTED_FIELDS = (
-    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction",
     "web_search_options", "suffix", "best_of", "service_tier", "refusal", "annotations",
 )
 
@@ -39,6 +39,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # and below the vocabulary's size, checked later
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 MAX_LABEL_LENGTH = 1024  # `prompt_cache_key`, `safety_identifier`: kept no further than the request's parse
 MAX_REQUEST_ID_LENGTH = 256  # the body's `request_id`, and the X-Request-Id header (apiserver.serving)
 
@@ -215,7 +216,9 @@ class _SamplingFields(_Strict):
     audio: None = None
     modalities: None = None
     prediction: None = None
-    reasoning_effort: None = None
+    # A chat template variable, as vLLM passes it (gpt-oss's template reads it): refused where the template reads
+    # no `reasoning_effort`, since nothing else here could honour it (apiserver.serving_chat).
+    reasoning_effort: ReasoningEffort | None = None
     web_search_options: None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
     service_tier: Literal["auto", "default"] | None = None

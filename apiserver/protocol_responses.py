@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 
 from apiserver.protocol import (
-    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, NoValue, StrictNumber, ToolName, _Strict, nulls_mean_default,
+    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, ReasoningEffort, StrictNumber, ToolName, _Strict, nulls_mean_default,
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -166,11 +166,13 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    """How much to reason is the model's own affair here (and whether, the chat template's): null only."""
+    """`effort` goes to the chat template as its `reasoning_effort` variable, as a chat request's field of that name
+    (refused where the template reads none). No summaries are written: the reasoning itself comes in the item's
+    `content`, so only `auto` (the model decides, and it writes none)."""
 
-    effort: None = None
-    summary: None = None
-    generate_summary: None = None
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None  # the older name of `summary`
 
 
 class ResponsesStreamOptions(_Strict):
@@ -212,7 +214,10 @@ class ResponsesRequest(_Strict):
     safety_identifier: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop input items to fit: a 400 instead
-    include: NoValue[list] | None = None  # extra output (logprobs, encrypted reasoning): none made here
+    # Extra output. Encrypted reasoning carries the reasoning of a stateless conversation to its next turn (Codex
+    # asks for it): here the reasoning comes as text in the item's `content`, and passed back that is read, so the
+    # ask is met with `encrypted_content` null. Anything else (logprobs, hosted tools' outputs) is refused.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     background: Literal[False] | None = None
 
     previous_response_id: StrictStr | None = None

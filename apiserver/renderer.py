@@ -12,7 +12,7 @@ from collections import OrderedDict
 import jinja2
 
 from apiserver import long_text
-from apiserver.chat_template import render_chat
+from apiserver.chat_template import render_chat, template_variables
 from apiserver.errors import InvalidRequest
 from apiserver.hf_tokenizer import HFTokenizer
 from apiserver.word_cache import WordCache
@@ -48,6 +48,10 @@ class Renderer:
         self._segments = _SegmentCache(self.tokenizer, word_cache)
         self._affixes = _post_processor_affixes(self.tokenizer)
         self._cuttable = long_text.cuttable(self.tokenizer)
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name` (so a request setting it changes the prompt)."""
+        return bool(self.chat_template) and name in template_variables(self.chat_template)
 
     @property
     def tokenizing(self) -> str:

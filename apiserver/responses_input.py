@@ -30,6 +30,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text),
+        reasoning_effort=None if req.reasoning is None else req.reasoning.effort,
         user=req.user,
     )
 

@@ -35,7 +35,8 @@ class ResponseFrame:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": {"format": {"type": "text"} if req.text is None or req.text.format is None
                      else req.text.format.model_dump(by_alias=True, exclude_none=True)},
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": None if req.reasoning is None else req.reasoning.effort,
+                          "summary": None if req.reasoning is None else req.reasoning.summary or req.reasoning.generate_summary},
             "truncation": "disabled",
             "previous_response_id": None,
             "store": False,  # whatever the request said: nothing is kept

@@ -82,7 +82,7 @@ class ChatServing(GenerationServing):
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
-            req.chat_template_kwargs,
+            template_kwargs(req, ctx.renderer),
             tools=tools.template_tools,
         )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -209,3 +209,18 @@ class ShapedChatChunkWriter(ChatChunkWriter):
             events.append(self._head + b'{"index":%d,"delta":%b,"logprobs":%b%b}]}\n\n'
                           % (delta.index, orjson.dumps(fields), logprobs, tail))
         return b"".join(events)
+
+
+def template_kwargs(req: ChatCompletionRequest, renderer) -> dict | None:
+    """The request's chat_template_kwargs, with `reasoning_effort` as the template's variable of that name (as
+    vLLM passes it): only a template that reads one can honour it."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    if not renderer.template_reads("reasoning_effort"):
+        raise InvalidRequest("`reasoning_effort` is not supported for this model: its chat template reads no "
+                             "reasoning effort.", param="reasoning_effort")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if kwargs.setdefault("reasoning_effort", req.reasoning_effort) != req.reasoning_effort:
+        raise InvalidRequest("`reasoning_effort` and `chat_template_kwargs.reasoning_effort` differ: give one.",
+                             param="reasoning_effort")
+    return kwargs

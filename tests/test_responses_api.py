@@ -122,7 +122,10 @@ def test_forced_function_call_and_its_output(served_with_tools):
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "thinking"}]}]}, "input"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),  # the model's template reads none
+    ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include.0"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
@@ -174,11 +177,23 @@ def test_nothing_is_stored(served):
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
 
 
+# ChatML, as the model's own template, plus a system line for a reasoning effort, as gpt-oss's template reads one.
+EFFORT_TEMPLATE = """{%- for message in messages -%}
+{%- if loop.first and message['role'] != 'system' and reasoning_effort is defined -%}
+{{- '<|im_start|>system\nReasoning: ' + reasoning_effort + '<|im_end|>\n' -}}
+{%- endif -%}
+{{- '<|im_start|>' + message['role'] + '\n' + (message.content or '') + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+
+
 @pytest.fixture(scope="module")
-def reasoning_served():
+def reasoning_served(tmp_path_factory):
     """The embedded model under --reasoning-parser deepseek_r1: every output starts in the reasoning, and this
-    model never closes it, so each answer has a reasoning item (the chat template is the model's own)."""
-    with Supervise("--api-server-count", "1", "--reasoning-parser", "deepseek_r1",
+    model never closes it, so each answer has a reasoning item; its chat template reads a reasoning effort."""
+    template = tmp_path_factory.mktemp("template") / "effort.jinja"
+    template.write_text(EFFORT_TEMPLATE)
+    with Supervise("--api-server-count", "1", "--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
                    "--kv-cache-memory", str(128 * 2**20)) as server:
         yield server
 
@@ -221,3 +236,29 @@ def test_reasoning_item_whole_and_streamed(reasoning_served):
     # Passed back as it came, the reasoning item is accepted with the rest of the conversation.
     history = turn + whole.output + [{"role": "user", "content": "And 18?"}]
     assert client.responses.create(model=MODEL, input=history, max_output_tokens=4).output[0].type == "reasoning"
+
+
+def test_a_reasoning_effort_reaches_a_template_that_reads_one(reasoning_served, served):
+    """`reasoning.effort` (and a chat request's `reasoning_effort`) is the chat template's variable of that name, as
+    Codex and the Agents SDK send it with `summary: "auto"` and the encrypted reasoning included; refused where the
+    template reads none (the model's own, in `served`)."""
+    client = _client(reasoning_served)
+    turn = [{"role": "user", "content": "Is 17 a prime number?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1)
+    chat = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1, reasoning_effort="high")
+    assert chat.usage.prompt_tokens > plain.usage.prompt_tokens  # the template's "Reasoning: high" line
+    answer = client.responses.create(model=MODEL, input=turn, max_output_tokens=4,
+                                     reasoning={"effort": "high", "summary": "auto"},
+                                     include=["reasoning.encrypted_content"])
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.reasoning.effort == "high" and answer.reasoning.summary == "auto"
+    assert answer.output[0].type == "reasoning" and answer.output[0].encrypted_content is None
+    assert answer.output[0].content[0].text  # the reasoning itself, as text, for the next turn
+
+    with pytest.raises(openai.BadRequestError) as conflict:
+        client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1, reasoning_effort="high",
+                                       extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert conflict.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as unread:
+        _client(served).chat.completions.create(model=MODEL, messages=turn, max_tokens=1, reasoning_effort="low")
+    assert unread.value.body["param"] == "reasoning_effort" and "reads no reasoning effort" in unread.value.message
