@@ -53,11 +53,13 @@ def test_unique_large_grammars_do_not_grow_the_api_server(sim_group):
 
 
 def test_unique_large_grammars_do_not_grow_the_engine(served):
-    # The engine kept 512 compiled grammars by their text; a grammar of 1 MB held some 4 MB.
+    # The engine kept 512 compiled grammars by their text: with the cache's text bound lifted, 40 grammars of 1 MB
+    # grew it 121 MB. Bounded, it moves by the allocator's noise, which depends on what the shared group served
+    # before (41 MB over 20 grammars once in a full suite, 6-19 MB alone).
     engine = served.child_titled("EngineCore_DP0")
     grown = _rss_growth(engine, lambda: _constrained_chat(served.url, "SmolLM2-135M-Instruct", _comment_grammar(MB)),
-                        warm_up=17, measured=20)
-    assert grown < 40 * MB, f"the engine grew {grown / MB:.0f} MB over 20 grammars of 1 MB"
+                        warm_up=17, measured=40)
+    assert grown < 60 * MB, f"the engine grew {grown / MB:.0f} MB over 40 grammars of 1 MB"
 
 
 def test_unique_long_prompts_do_not_grow_the_api_server(sim_group):
