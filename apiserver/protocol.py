@@ -216,9 +216,6 @@ class _SamplingFields(_Strict):
     audio: None = None
     modalities: None = None
     prediction: None = None
-    # A chat template variable, as vLLM passes it (gpt-oss's template reads it): refused where the template reads
-    # no `reasoning_effort`, since nothing else here could honour it (apiserver.serving_chat).
-    reasoning_effort: ReasoningEffort | None = None
     web_search_options: None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
     service_tier: Literal["auto", "default"] | None = None
@@ -238,6 +235,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict | None = None
+    # A chat template variable, as vLLM passes it (gpt-oss's template reads it): refused where the template reads
+    # no `reasoning_effort`, since nothing else here could honour it (apiserver.serving_chat.template_kwargs).
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[Tool] | None = Field(None, max_length=128)

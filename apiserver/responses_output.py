@@ -35,8 +35,7 @@ class ResponseFrame:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": {"format": {"type": "text"} if req.text is None or req.text.format is None
                      else req.text.format.model_dump(by_alias=True, exclude_none=True)},
-            "reasoning": {"effort": None if req.reasoning is None else req.reasoning.effort,
-                          "summary": None if req.reasoning is None else req.reasoning.summary or req.reasoning.generate_summary},
+            "reasoning": _reasoning(req),
             "truncation": "disabled",
             "previous_response_id": None,
             "store": False,  # whatever the request said: nothing is kept
@@ -58,6 +57,13 @@ class ResponseFrame:
             "output": output,
             "usage": response_usage,
         }
+
+
+def _reasoning(req: ResponsesRequest) -> dict:
+    asked = req.reasoning
+    if asked is None:
+        return {"effort": None, "summary": None}
+    return {"effort": asked.effort, "summary": asked.summary or asked.generate_summary}
 
 
 def _choice(choice, tools) -> str | dict:

@@ -20,7 +20,8 @@ from apiserver.validation import parse_request_body
 
 # The chat request's fields that errors from the chat path name, as this request calls them.
 _FIELD_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens",
-                "max_completion_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort"}
+                "max_completion_tokens": "max_output_tokens", "messages": "input",
+                "reasoning_effort": "reasoning.effort"}
 
 
 class ResponsesServing:

@@ -89,13 +89,19 @@ def bandwidth_and_ceilings(model: torch.nn.Module) -> None:
           f"{bandwidth / (4 * params):.0f} tok/s in float32, {bandwidth / params:.0f} in int8")
 
 
-def _kernels(weight: torch.Tensor, rows: int, slow: bool) -> dict:
-    kernels = {"f32 row": Float32Linear(weight, False), "f32 col": Float32Linear(weight, True),
-               "f32 onednn": OneDnnFloat32Linear(weight)}
+def _engine_kernels() -> dict:
+    """The engine's kernels that run here, by name: weight -> kernel."""
+    kinds = {"f32 row": lambda w: Float32Linear(w, False), "f32 col": lambda w: Float32Linear(w, True),
+             "f32 onednn": OneDnnFloat32Linear}
     if bf16_unavailable_reason() is None:
-        kernels["bf16"] = Bf16Linear(weight)
+        kinds["bf16"] = Bf16Linear
     if int8_unavailable_reason() is None:  # where it runs but is wrong, its time means nothing
-        kernels["int8 W8A8"] = Int8Linear(weight)
+        kinds["int8 W8A8"] = Int8Linear
+    return kinds
+
+
+def _kernels(weight: torch.Tensor, rows: int, slow: bool) -> dict:
+    kernels = {name: make(weight) for name, make in _engine_kernels().items()}
     if slow or rows == 1:
         scale = weight.abs().amax(1) / 127
         q = (weight / scale[:, None]).round().to(torch.int8)
@@ -132,11 +138,9 @@ def products_from_memory(model: torch.nn.Module, batch_sizes: list[int]) -> None
     layers = model.config.num_hidden_layers
     print(f"\nthe model's products from memory ({layers} layers' own weights + the LM head), ms a step, best of 3")
     times: dict[str, list[float]] = {}
-    for name in _kernels(torch.randn(8, 8), 2, slow=False):
-        weights = [torch.randn(o, i) * 0.05 for _ in range(layers) for i, o in shapes[:-1]] + \
-                  [torch.randn(shapes[-1][1], shapes[-1][0]) * 0.05]
-        kernels = [_kernels(w, 2, slow=False)[name] for w in weights]
-        del weights
+    for name, make in _engine_kernels().items():
+        shapes_of_step = [shape for _ in range(layers) for shape in shapes[:-1]] + shapes[-1:]
+        kernels = [make(torch.randn(fan_out, fan_in) * 0.05) for fan_in, fan_out in shapes_of_step]
         times[name] = [_step_seconds(kernels, rows) for rows in batch_sizes]
     for i, rows in enumerate(batch_sizes):
         print(f"{rows:>3} rows: " + "  ".join(f"{name} {t[i] * 1e3:.1f}" for name, t in times.items()))

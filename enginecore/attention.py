@@ -154,8 +154,9 @@ def _gather_blocks(layer_kv: torch.Tensor, block_ids: torch.Tensor) -> tuple[tor
     16 tokens, random block ids), K plus V: 28 us (3.5 TB/s read + written; a plain copy of as many bytes: 26 us)
     for the 135M shape, 122 us (4.4 TB/s) for Llama-3.1-8B's. A single index_select over dimension 1 of the
     [2, blocks, ...] layer, K and V in one call, takes torch's slower strided path: 82 us and 414 us, no better
-    than the slot gather (85 us, 141 us) for the 135M shape and three times worse for the 8B's. On the CPU (2-core
-    Intel Xeon, float32, 8 decodes of 128 tokens, K plus V of one layer, 1.5 MB): 31 us against 107 us."""
+    than the slot gather (85 us, 141 us) for the 135M shape and three times worse for the 8B's. On the CPU
+    (bench/kv_gather.py, 2-core Intel Xeon, float32): 36 against 97 us for 8 decodes of 128 tokens, 500 against
+    900 us for 32 of 256; a single decode of 128 tokens pays for the second call, 12 against 5 us."""
     return (layer_kv[0].index_select(0, block_ids).flatten(0, 1),
             layer_kv[1].index_select(0, block_ids).flatten(0, 1))
 

@@ -262,3 +262,10 @@ def test_a_reasoning_effort_reaches_a_template_that_reads_one(reasoning_served, 
     with pytest.raises(openai.BadRequestError) as unread:
         _client(served).chat.completions.create(model=MODEL, messages=turn, max_tokens=1, reasoning_effort="low")
     assert unread.value.body["param"] == "reasoning_effort" and "reads no reasoning effort" in unread.value.message
+    # Careless values: one outside the set, and the field on completions, which have no chat template to take it.
+    for path, body in (("/chat/completions", {"messages": turn, "reasoning_effort": "max"}),
+                       ("/chat/completions", {"messages": turn, "reasoning_effort": 3}),
+                       ("/completions", {"prompt": "Hi", "reasoning_effort": "high"})):
+        refused = httpx.post(reasoning_served.base_url + path, json={"model": MODEL, "max_tokens": 1, **body},
+                             timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort", refused.text
