@@ -134,6 +134,8 @@ class ServeConfig:
     max_restarts: int = 5
     restart_window: float = 60.0
     on_engine_failure: str = "exit"  # exit | restart
+    max_engine_restarts: int = 3  # --on-engine-failure restart: group restarts allowed within engine_restart_window
+    engine_restart_window: float = 600.0
 
     # Data parallelism across machines (vLLM's names; supervisor/layout.py reads them into one layout).
     data_parallel_size_local: int | None = None  # engine cores on this node; None: all of them (one node)

@@ -168,7 +168,15 @@ def _positive(click_context, param, value):
               type=click.FloatRange(1), help="Seconds over which --max-restarts counts.")
 @click.option("--on-engine-failure", default=_DEFAULTS.on_engine_failure, show_default=True,
               type=click.Choice(["exit", "restart"]),
-              help="exit: the group goes down (systemd restarts it); restart: restart the group in place.")
+              help="exit: the group goes down (systemd restarts it); restart: restart the group in place "
+                   "(at most --max-engine-restarts times within --engine-restart-window).")
+@click.option("--max-engine-restarts", default=_DEFAULTS.max_engine_restarts, show_default=True,
+              type=click.IntRange(0),
+              help="With --on-engine-failure restart: group restarts allowed within --engine-restart-window; one "
+                   "more engine failure then takes the group down (exit 1), so an engine that keeps dying, or a "
+                   "request that kills it each time a client retries, cannot keep the group loading forever.")
+@click.option("--engine-restart-window", default=_DEFAULTS.engine_restart_window, show_default=True,
+              type=click.FloatRange(1), help="Seconds over which --max-engine-restarts counts.")
 @click.option("--accept-backoff-ms", default=_DEFAULTS.accept_backoff_ms, show_default=True,
               type=click.FloatRange(0), help="How long a busier API server lets idler ones take a connection.")
 @click.option("--write-batching/--no-write-batching", default=_DEFAULTS.write_batching,

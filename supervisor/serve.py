@@ -18,6 +18,7 @@ from supervisor.group import ProcessGroup
 from supervisor.layout import layout_of
 from supervisor.open_files import raise_open_files_limit
 from supervisor.registration import Registry
+from supervisor.restart_policy import RestartBudget
 from supervisor.listen_socket import BadAddress, BadSocketActivation, PortInUse, bound_address, open_listen_socket
 from supervisor.signals import SignalInbox
 from supervisor.startup import StartupFailed, StopRequested
@@ -70,9 +71,12 @@ def serve(config: ServeConfig) -> int:
     inbox = SignalInbox()  # before any child exists, so a SIGTERM during the model load is heard
     runtime_dir = tempfile.mkdtemp(prefix="supervise-")
     config = config.replace(runtime_dir=runtime_dir, port=port)
+    # It outlives each group restarted in place (--on-engine-failure restart), to count them.
+    group_restarts = RestartBudget(config.max_engine_restarts, config.engine_restart_window)
     try:
         while True:
-            outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve)
+            outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve,
+                                      group_restarts)
             if outcome is not Outcome.RESTART_GROUP:
                 return outcome
             log.warning("restarting the group in place; the port stays open")
@@ -85,7 +89,8 @@ def serve(config: ServeConfig) -> int:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve) -> int | Literal[Outcome.RESTART_GROUP]:
+def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve,
+                    group_restarts: RestartBudget) -> int | Literal[Outcome.RESTART_GROUP]:
     timers = Timers()
     events = EventSource(inbox, timers)
     if registry is not None:
@@ -118,7 +123,7 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry
             summary += f"; metrics on http://{url_host}:{config.metrics_port}/metrics"
         log.info("%s", summary)
         notifier.ready(summary)
-        outcome = Watchdog(group, timers, notifier).run(events)
+        outcome = Watchdog(group, timers, notifier, group_restarts).run(events)
         if outcome is Outcome.RESTART_GROUP:
             # The port stays open: clients wait in the backlog for the new group. A SIGTERM meanwhile is the
             # operator's stop, not a hurry: it had cut the drain short and the new group served on regardless.

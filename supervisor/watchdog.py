@@ -38,13 +38,16 @@ class Outcome(enum.Enum):
 
 
 class Watchdog:
-    def __init__(self, group, timers: Timers, notifier: SystemdNotifier):
-        """`group`: a supervisor.group.ProcessGroup, or anything with its verbs (the tests use a fake)."""
+    def __init__(self, group, timers: Timers, notifier: SystemdNotifier, group_restarts: RestartBudget | None = None):
+        """`group`: a supervisor.group.ProcessGroup, or anything with its verbs (the tests use a fake).
+        `group_restarts`: the group's restarts in place (--on-engine-failure restart), which outlive a watchdog."""
         self.group = group
         self.config = group.config
         self.timers = timers
         self.notifier = notifier
         self.budget = RestartBudget(self.config.max_restarts, self.config.restart_window)
+        self.group_restarts = group_restarts or RestartBudget(
+            self.config.max_engine_restarts, self.config.engine_restart_window)
         self.restarts_due: dict[int, int | None] = {}  # index of a dead API server -> the index it replaced
         self.to_roll: deque[int] = deque()  # SIGHUP: indices still to replace
         self.rolling = False
@@ -170,8 +173,12 @@ class Watchdog:
         self.group.mark_engine_dead(child.index)
         self.notifier.status(f"{child.name} died")
         if self.config.on_engine_failure == "restart":
-            log.warning("--on-engine-failure restart: restarting the whole group, the port stays open")
-            return Outcome.RESTART_GROUP
+            # Counted, not spaced: the model's load spaces the restarts already.
+            if self.group_restarts.next_delay(self.timers.clock()) is not None:
+                log.warning("--on-engine-failure restart: restarting the whole group, the port stays open")
+                return Outcome.RESTART_GROUP
+            log.error("%d group restart(s) within %.0f s already (--max-engine-restarts, --engine-restart-window): "
+                      "the group goes down", self.config.max_engine_restarts, self.config.engine_restart_window)
         self._go_down_after_grace()
         return None
 

@@ -63,8 +63,8 @@ def test_every_log_line_names_its_process(start_supervise):
     assert untagged == []
 
 
-def test_engine_failure_restart_keeps_the_port_and_serves_again(start_supervise):
-    server = start_supervise(*SIM, "--on-engine-failure", "restart")
+def test_engine_failure_restart_keeps_the_port_serves_again_and_gives_up_past_its_budget(start_supervise):
+    server = start_supervise(*SIM, "--on-engine-failure", "restart", "--max-engine-restarts", "1")
     model = model_of(server)
     engine = server.child_titled("EngineCore_DP0")
     engine.kill()
@@ -72,7 +72,16 @@ def test_engine_failure_restart_keeps_the_port_and_serves_again(start_supervise)
     assert server.proc.poll() is None
     r = httpx.post(f"{server.base_url}/completions", json={"model": model, "prompt": "a", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
-    assert server.child_titled("EngineCore_DP0").pid != engine.pid
+    again = server.child_titled("EngineCore_DP0")
+    assert again.pid != engine.pid
+    # An engine that keeps dying (or a request that kills it each time a client retries) must not keep the group
+    # loading forever: past --max-engine-restarts the group goes down, and its service manager decides.
+    again.kill()
+    assert server.wait_exit(30) == 1, server.log()[-3000:]
+    assert "1 group restart(s) within 600 s already (--max-engine-restarts" in server.log()
+    assert server.log().count("serving ") == 2
+    with socket.socket() as probe:
+        assert probe.connect_ex(server.address) != 0
 
 
 def test_a_stop_signal_during_an_engine_failure_restart_stops_the_group(start_supervise):

@@ -11,6 +11,7 @@ from ipc.config import ServeConfig
 from supervisor.children import Child
 from supervisor.events import ChildExited, ChildReady, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
+from supervisor.restart_policy import RestartBudget
 from supervisor.watchdog import ENGINE_FAILURE_GRACE, Outcome, Watchdog
 
 SIGKILLED = -signal.SIGKILL
@@ -162,6 +163,30 @@ def test_a_stop_signal_during_the_engine_grace_fails_the_group_at_once(setup):
 def test_an_engine_death_restarts_the_group_when_asked_to(setup):
     watchdog, group, _, _, _ = setup(on_engine_failure="restart")
     assert watchdog.handle(group.dies(group.engines[0])) is Outcome.RESTART_GROUP
+
+
+def test_group_restarts_are_budgeted_across_the_groups_they_start(caplog):
+    """Each group restarted in place gets a new watchdog; the count of restarts outlives them. Past the budget an
+    engine's death takes the group down after the grace, as --on-engine-failure exit does."""
+    caplog.set_level(logging.INFO, logger="supervisor.watchdog")
+    clock = Clock()
+    config = ServeConfig(on_engine_failure="restart", max_engine_restarts=2, engine_restart_window=600)
+    group_restarts = RestartBudget(config.max_engine_restarts, config.engine_restart_window)
+
+    def engine_dies_in_a_new_group():
+        group, timers = FakeGroup(config, clock), Timers(clock)
+        watchdog = Watchdog(group, timers, Notifier(), group_restarts)
+        clock.now += 30  # the group loads, serves a while, then its engine dies
+        return watchdog.handle(group.dies(group.engines[0])), watchdog, timers
+
+    assert engine_dies_in_a_new_group()[0] is Outcome.RESTART_GROUP
+    assert engine_dies_in_a_new_group()[0] is Outcome.RESTART_GROUP
+    outcome, watchdog, timers = engine_dies_in_a_new_group()
+    assert outcome is None and "2 group restart(s) within 600 s already" in caplog.text
+    clock.now += ENGINE_FAILURE_GRACE
+    assert fire_due_timers(watchdog, timers) == [Outcome.FAIL]
+    clock.now += 600  # the window has passed: the next failure restarts again
+    assert engine_dies_in_a_new_group()[0] is Outcome.RESTART_GROUP
 
 
 def test_a_silent_server_is_killed_once_and_its_death_says_why(setup, caplog):
