@@ -23,7 +23,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from tests.grpc_support import SERVICE, GrpcSupervise, error_of, generate_request, health_status
-from tests.hostile_grammars import gbnf_chain, ref_chain, rule_chain
+from tests.hostile_grammars import gbnf_chains, ref_chain, rule_chain
 from tests.supervise_process import title_of
 
 SENTENCE_START = "Paris is the capital of France."
@@ -102,12 +102,31 @@ def test_valid_constraints_are_taken(stub):
         assert response.complete.finish_reason == "length", constraint
 
 
+def grammar_check_seconds(stub, grammar: str) -> float:
+    """How long a call with `grammar` (not seen before) takes here, its checker already started."""
+    start = time.monotonic()
+    (response,) = stub.Generate(generate_request(PROMPT, max_tokens=2, grammar=grammar))
+    assert response.complete.finish_reason == "length"
+    return time.monotonic() - start
+
+
 def test_a_call_cancelled_in_its_grammar_check_leaves_the_next_calls_their_own_answers(stub):
     """A client past its deadline while its grammar is built: the checker's answer to it was read by the next call,
     which took another client's grammar (or failed INTERNAL), and so on for every call after it."""
-    for rules in (700, 701):  # GBNF converted in Python: over a second each, well past the 0.3 s deadline
-        error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=2, grammar=gbnf_chain(rules)),
-                                               timeout=0.3))
+    # One channel, one API server: start its checker, then find how many chains of GBNF rules this machine
+    # converts in 0.3 s or more (2 took 0.3 s on one CPU; a fixed 0.3 s deadline once fell after the end of a
+    # conversion on a faster one), so that the deadline below falls well inside the conversion of the next ones,
+    # as long and not cached (a comment tells them apart), on any CPU.
+    grammar_check_seconds(stub, gbnf_chains(1, 1))
+    chains = 2
+    while (seconds := grammar_check_seconds(stub, gbnf_chains(chains, 600))) < 0.3:
+        assert chains < 64, f"{chains} chains converted in {seconds:.3f} s: too fast for a deadline inside it"
+        chains *= 2
+    deadline = min(seconds, grammar_check_seconds(stub, gbnf_chains(chains, 600) + "# again\n")) / 4
+    for call in range(2):
+        grammar = gbnf_chains(chains, 600) + f"# cancelled {call}\n"
+        error = error_of(lambda: stub.Generate(generate_request(PROMPT, max_tokens=2, grammar=grammar),
+                                               timeout=deadline))
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         error = error_of(lambda: stub.Generate(generate_request(PROMPT, json_schema='{"type": 3}')))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "json_schema" in error.details(), error.details()
