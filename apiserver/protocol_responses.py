@@ -18,6 +18,8 @@ from apiserver.protocol import (
     INT32_MAX, MAX_LABEL_LENGTH, JsonObject, ReasoningEffort, StrictNumber, ToolName, _Strict, nulls_mean_default,
 )
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -187,7 +189,6 @@ _REFUSED = {
                     "responses",
     "prompt": "no prompt templates are stored here",
     "max_tool_calls": "only function tools, which the client runs: it decides how many calls to make",
-    "top_logprobs": "the Responses API here gives no logprobs (chat completions do)",
 }
 
 
@@ -216,17 +217,23 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None  # "auto" would drop input items to fit: a 400 instead
     # Extra output. Encrypted reasoning carries the reasoning of a stateless conversation to its next turn (Codex
     # asks for it): here the reasoning comes as text in the item's `content`, and passed back that is read, so the
-    # ask is met with `encrypted_content` null. Anything else (logprobs, hosted tools' outputs) is refused.
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # ask is met with `encrypted_content` null. Logprobs go in the `output_text` part. Anything else (hosted
+    # tools' outputs) is refused.
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the likeliest tokens per token, with logprobs
     background: Literal[False] | None = None
 
     previous_response_id: StrictStr | None = None
     conversation: Union[StrictStr, dict, None] = None
     prompt: dict | None = None
     max_tool_calls: StrictInt | None = None
-    top_logprobs: StrictInt | None = None
 
     responses_nulls = nulls_mean_default("stream")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Asked by name, or by asking for top logprobs (which come with them)."""
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     @field_validator(*_REFUSED, mode="before")
     @classmethod

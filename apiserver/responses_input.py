@@ -25,7 +25,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        stream=req.stream,
+        # Never held back as a whole answer's logprobs are: a Responses stream ends with the whole response, so
+        # apiserver/serving_responses.py bounds them, streamed or not, in its own words.
+        stream=True,
+        logprobs=req.wants_logprobs,
+        top_logprobs=req.top_logprobs,
         tools=None if req.tools is None else [_tool(t) for t in req.tools],
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,

@@ -3,13 +3,15 @@
 
 The output of one choice is its reasoning (a `reasoning` item), its content (a `message` item with one
 `output_text` part) and its tool calls (a `function_call` item each), in that order. A response cut off by
-`max_output_tokens` is `incomplete`, its last item too.
+`max_output_tokens` is `incomplete`, its last item too. Logprobs, when asked, are the `output_text` part's, in the
+chat API's form (apiserver/logprobs.py).
 """
 from __future__ import annotations
 
 import time
 
 from apiserver.generation import Generation
+from apiserver.logprobs import LogprobFormatter
 from apiserver.protocol_responses import ResponsesRequest
 
 INCOMPLETE_DETAILS = {"reason": "max_output_tokens"}
@@ -42,6 +44,7 @@ class ResponseFrame:
             "background": False,
             "user": req.user,
             "metadata": req.metadata or {},
+            "top_logprobs": req.top_logprobs,
             "error": None,
         }
 
@@ -72,18 +75,30 @@ def _choice(choice, tools) -> str | dict:
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
+class ResponseLogprobs:
+    """A response's logprobs as its `output_text` part lists them, `top_n` likeliest tokens with each."""
+
+    def __init__(self, formatter: LogprobFormatter, top_n: int):
+        self._formatter = formatter
+        self._top_n = top_n
+
+    def of(self, entries: list | None) -> list[dict]:
+        """`entries`: the engine's, as a Delta holds them."""
+        return self._formatter.chat(entries, self._top_n) if entries else []
+
+
 def status_of(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_items(frame: ResponseFrame, fields: dict, status: str) -> list[dict]:
+def output_items(frame: ResponseFrame, fields: dict, status: str, logprobs: list[dict] | None = None) -> list[dict]:
     """A whole answer's items from its message fields (apiserver.chat_output.message's, or the plain text's
-    `content`)."""
+    `content`); `logprobs`: its text's, when asked."""
     items: list[dict] = []
     if fields.get("reasoning_content"):
         items.append(reasoning_item(frame.item_id("rs", len(items)), fields["reasoning_content"]))
     if fields.get("content"):
-        items.append(message_item(frame.item_id("msg", len(items)), fields["content"]))
+        items.append(message_item(frame.item_id("msg", len(items)), fields["content"], logprobs=logprobs))
     for call in fields.get("tool_calls") or ():
         function = call["function"]
         items.append(call_item(frame.item_id("fc", len(items)), call["id"], function["name"], function["arguments"]))
@@ -97,13 +112,14 @@ def reasoning_item(item_id: str, text: str | None, status: str = "completed") ->
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
-    content = [] if text is None else [text_part(text)]
+def message_item(item_id: str, text: str | None, status: str = "completed",
+                 logprobs: list[dict] | None = None) -> dict:
+    content = [] if text is None else [text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:

@@ -7,7 +7,8 @@ function call arguments) and is closed (`.done` events with its full text, then 
 before the next one opens, except function calls, which stay open until something other than a call comes or the
 stream ends (a parser may send the rest of one call's arguments in the delta that announces the next).
 `response.created` and `response.in_progress` go out at once, before the prompt is computed (as OpenAI's do);
-the first item comes with the first token.
+the first item comes with the first token. Asked logprobs come with the text deltas they are of (a token whose text
+is not out yet with the next), and all of them in the `.done` events and the part.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import orjson
 from apiserver.chat_output import OutputShape, StreamedMessage
 from apiserver.generation import Delta, Generation
 from apiserver.responses_output import (
-    ResponseFrame, call_item, message_item, reasoning_item, reasoning_text, response_usage, status_of, text_part,
+    ResponseFrame, ResponseLogprobs, call_item, message_item, reasoning_item, reasoning_text, response_usage,
+    status_of, text_part,
 )
 
 
@@ -28,21 +30,26 @@ def sse_event(kind: str, sequence_number: int, fields: dict) -> bytes:
 class _Item:
     """An output item being streamed: its object (as announced) and the pieces of its text or arguments."""
 
-    __slots__ = ("index", "body", "pieces")
+    __slots__ = ("index", "body", "pieces", "logprobs")
 
     def __init__(self, index: int, body: dict):
         self.index = index
         self.body = body
         self.pieces: list[str] = []
+        self.logprobs: list[dict] = []  # a message's text's, when asked
 
 
 class ResponseEventWriter:
     """The ChunkWriter (apiserver/streaming.py) of POST /v1/responses with `stream: true`; one choice."""
 
-    def __init__(self, frame: ResponseFrame, shape: OutputShape | None, count_tokens):
+    def __init__(self, frame: ResponseFrame, shape: OutputShape | None, count_tokens,
+                 logprobs: ResponseLogprobs | None = None):
+        """`logprobs`: asked, for an answer read as plain text (`shape` None)."""
         self._frame = frame
         self._message = None if shape is None else StreamedMessage(shape)
         self._count_tokens = count_tokens  # text -> its number of tokens (the reasoning's, for the usage)
+        self._logprobs = logprobs
+        self._held_logprobs: list[dict] = []  # of tokens whose text is not out yet
         self._sequence = 0
         self._output: list[dict] = []  # every item announced, in output order
         self._open: list[_Item] = []  # the items not closed yet
@@ -66,6 +73,8 @@ class ResponseEventWriter:
             fields: dict
             if self._message is None:
                 fields = {"content": delta.text} if delta.text else {}
+                if self._logprobs is not None:
+                    self._held_logprobs.extend(self._logprobs.of(delta.logprobs))
             else:
                 fields = self._message.feed(delta.text, delta.finish_reason is not None)
             if "reasoning_content" in fields:
@@ -82,6 +91,8 @@ class ResponseEventWriter:
     def end(self, generation: Generation) -> bytes:
         events: list[bytes] = []
         status = status_of(self._finish)
+        if self._held_logprobs and self._open and self._open[-1].body["type"] == "message":
+            self._open[-1].logprobs.extend(self._held_logprobs)  # tokens whose text never came out (a stop string)
         self._close_all(events, status)
         usage = response_usage(generation, self._count_tokens(reasoning_text(self._output)))
         events.append(self._event("response." + status, response=self._frame.response(status, self._output, usage)))
@@ -98,7 +109,10 @@ class ResponseEventWriter:
             item = self._add(events, kind)
         item.pieces.append(text)
         delta_type = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra: dict = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict = {}
+        if kind == "message":
+            extra["logprobs"], self._held_logprobs = self._held_logprobs, []
+            item.logprobs.extend(extra["logprobs"])
         events.append(self._event(delta_type, item_id=item.body["id"], output_index=item.index, content_index=0,
                                   delta=text, **extra))
 
@@ -160,10 +174,10 @@ class ResponseEventWriter:
             events.append(self._event("response.content_part.done", item_id=body["id"], output_index=index,
                                       content_index=0, part=part))
         else:
-            part = text_part(text)
+            part = text_part(text, item.logprobs)
             body["content"] = [part]
             events.append(self._event("response.output_text.done", item_id=body["id"], output_index=index,
-                                      content_index=0, text=text, logprobs=[]))
+                                      content_index=0, text=text, logprobs=item.logprobs))
             events.append(self._event("response.content_part.done", item_id=body["id"], output_index=index,
                                       content_index=0, part=part))
         events.append(self._event("response.output_item.done", output_index=index, item=body))

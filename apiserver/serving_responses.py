@@ -8,12 +8,15 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from apiserver.chat_output import message
-from apiserver.errors import ApiError
+from apiserver.errors import ApiError, InvalidRequest
 from apiserver.generation import Delta, Generation
-from apiserver.protocol_responses import ResponsesRequest
+from apiserver.protocol_responses import LOGPROBS_INCLUDE, ResponsesRequest
 from apiserver.responses_input import chat_request
-from apiserver.responses_output import ResponseFrame, output_items, reasoning_text, response_usage, status_of
+from apiserver.responses_output import (
+    ResponseFrame, ResponseLogprobs, output_items, reasoning_text, response_usage, status_of,
+)
 from apiserver.responses_stream import ResponseEventWriter
+from apiserver.sampling_params import check_whole_logprobs
 from apiserver.serving_chat import ChatServing
 from apiserver.validation import parse_request_body
 
@@ -32,21 +35,41 @@ class ResponsesServing:
     async def create(self, request: Request):
         req = await parse_request_body(ResponsesRequest, await request.body())
         try:
-            generation, shape, _ = await self._chat.prepare(request, chat_request(req))
+            generation, shape, top_n = await self._chat.prepare(request, chat_request(req))
         except ApiError as exc:
             raise _renamed(exc) from None
+        logprobs = None
+        if req.wants_logprobs:
+            self._check_logprobs(req, generation, shape, top_n)
+            logprobs = ResponseLogprobs(self._chat.logprobs, top_n)
         frame = ResponseFrame(req, generation.request_id, self.ctx.model_name)
-        writer = ResponseEventWriter(frame, shape, self.count_tokens)
+        writer = ResponseEventWriter(frame, shape, self.count_tokens, logprobs)
         return await self._chat.respond(
             request, generation, req.stream, writer, False,
-            lambda gen, deltas: self.whole_body(gen, deltas, frame, shape),
+            lambda gen, deltas: self.whole_body(gen, deltas, frame, shape, logprobs),
         )
 
-    def whole_body(self, generation: Generation, deltas: list[Delta], frame: ResponseFrame, shape) -> dict:
+    def _check_logprobs(self, req: ResponsesRequest, generation: Generation, shape, top_n: int) -> None:
+        """400 unless the asked logprobs can be given, and held: streamed or not, the last event is the whole
+        response, logprobs and all."""
+        param = "top_logprobs" if req.top_logprobs else "include"
+        check_whole_logprobs(1, generation.sampling.max_tokens, top_n, 0, self.ctx.config.max_logprob_entries,
+                             param, "Ask for fewer tokens (max_output_tokens) or top logprobs (top_logprobs).")
+        if shape is not None:
+            # Which tokens were reasoning or a call's is known only as text: logprobs for the answer's text alone
+            # would be a guess at a token boundary.
+            raise InvalidRequest(
+                f"`{LOGPROBS_INCLUDE}` is given here only for answers read as plain text, not where a reasoning "
+                "parser (--reasoning-parser) or tools split the output; chat completions give logprobs for every "
+                "token of it.", param=param)
+
+    def whole_body(self, generation: Generation, deltas: list[Delta], frame: ResponseFrame, shape,
+                   logprobs: ResponseLogprobs | None) -> dict:
         delta = deltas[0]  # one choice: the Responses API has no `n`
         fields = {"content": delta.text} if shape is None else message(delta.text, shape, delta.finish_reason)[0]
         status = status_of(delta.finish_reason)
-        output = output_items(frame, fields, status)
+        entries = None if logprobs is None else logprobs.of(delta.logprobs)
+        output = output_items(frame, fields, status, entries)
         return frame.response(status, output, response_usage(generation, self.count_tokens(reasoning_text(output))))
 
     def count_tokens(self, text: str) -> int:

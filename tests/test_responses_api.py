@@ -125,7 +125,12 @@ def test_forced_function_call_and_its_output(served_with_tools):
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),  # the model's template reads none
     ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "hi", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),
-    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include.0"),
+    ({"input": "hi", "include": ["web_search_call.results"]}, "include.0"),
+    ({"input": "hi", "include": "message.output_text.logprobs"}, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": -1}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": "5"}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": 2.5}, "top_logprobs"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
@@ -144,6 +149,67 @@ def test_refused_with_the_field_named(served, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert "Traceback" not in error["message"] and "response_format" not in error["message"]
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _joined_bytes(logprobs) -> bytes:
+    """The tokens' own bytes, one after another: a reply's UTF-8, fragments of a character included."""
+    return b"".join(bytes(entry.bytes) for entry in logprobs)
+
+
+def test_logprobs_whole_and_streamed(served):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: every token of the answer's text in its
+    `output_text` part, as the same chat completion gives them; streamed, each delta carries its own tokens' (a
+    character split over tokens comes out whole, with all of them), and the part at the end all of them."""
+    client = _client(served)
+    # Cut off, so that every token is text (no end-of-turn token); emoji take several tokens each.
+    turn = [{"role": "user", "content": "Reply with three emoji faces and nothing else."}]
+    args = dict(model=MODEL, input=turn, max_output_tokens=12, temperature=0, include=LOGPROBS, top_logprobs=3)
+    whole = client.responses.create(**args)
+    assert whole.status == "incomplete" and whole.top_logprobs == 3
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens == 12
+    assert _joined_bytes(part.logprobs) == part.text.encode() and len(part.text) < 12  # characters over tokens
+    for entry in part.logprobs:
+        tops = [top.logprob for top in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(tops[0])  # greedy
+    chat = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    chat_entries = chat.choices[0].logprobs.content
+    assert [entry.token for entry in part.logprobs] == [entry.token for entry in chat_entries]
+    assert [entry.logprob for entry in part.logprobs] == pytest.approx([entry.logprob for entry in chat_entries],
+                                                                       abs=1e-3)
+
+    events = list(client.responses.create(stream=True, **args))
+    text, data = "", b""
+    for event in events:
+        if event.type == "response.output_text.delta":
+            text, data = text + event.delta, data + _joined_bytes(event.logprobs)
+            assert data.startswith(text.encode()) and data.decode(errors="ignore") == text, (text, data)
+    final = events[-1].response.output[0].content[0]
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    assert text == final.text == part.text and _joined_bytes(final.logprobs) == part.text.encode()
+    assert [entry.token for entry in done.logprobs] == [entry.token for entry in final.logprobs] == [
+        entry.token for entry in part.logprobs]
+
+
+def test_logprobs_asked_either_way_and_not_at_all(served):
+    """Top logprobs come with the logprobs they rank, included or not; the logprobs alone have no top ones; and
+    a response that asks for neither has none (`logprobs: []`, as before)."""
+    client = _client(served)
+    args = dict(model=MODEL, input="Count from one to ten.", max_output_tokens=4, temperature=0)
+    tops_only = client.responses.create(top_logprobs=2, **args).output[0].content[0].logprobs
+    assert len(tops_only) == 4 and all(len(entry.top_logprobs) == 2 for entry in tops_only)
+    included = client.responses.create(include=LOGPROBS, **args).output[0].content[0].logprobs
+    assert len(included) == 4 and all(entry.top_logprobs == [] for entry in included)
+    assert [entry.token for entry in included] == [entry.token for entry in tops_only]
+    neither = client.responses.create(top_logprobs=0, **args)
+    assert neither.output[0].content[0].logprobs == [] and neither.top_logprobs == 0
+    streamed = list(client.responses.create(stream=True, **args))
+    assert all(event.logprobs == [] for event in streamed if event.type == "response.output_text.delta")
 
 
 class Person(pydantic.BaseModel):
@@ -190,11 +256,12 @@ EFFORT_TEMPLATE = """{%- for message in messages -%}
 @pytest.fixture(scope="module")
 def reasoning_served(tmp_path_factory):
     """The embedded model under --reasoning-parser deepseek_r1: every output starts in the reasoning, and this
-    model never closes it, so each answer has a reasoning item; its chat template reads a reasoning effort."""
+    model never closes it, so each answer has a reasoning item; its chat template reads a reasoning effort. A
+    whole response holds at most 2,000 logprob entries."""
     template = tmp_path_factory.mktemp("template") / "effort.jinja"
     template.write_text(EFFORT_TEMPLATE)
     with Supervise("--api-server-count", "1", "--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
-                   "--kv-cache-memory", str(128 * 2**20)) as server:
+                   "--kv-cache-memory", str(128 * 2**20), "--max-logprob-entries", "2000") as server:
         yield server
 
 
@@ -269,3 +336,23 @@ def test_a_reasoning_effort_reaches_a_template_that_reads_one(reasoning_served, 
         refused = httpx.post(reasoning_served.base_url + path, json={"model": MODEL, "max_tokens": 1, **body},
                              timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort", refused.text
+
+
+def test_logprobs_refused_where_they_cannot_be_given(reasoning_served):
+    """Past --max-logprob-entries a 400 before anything runs, streamed too (the last event holds the whole
+    response); and where a reasoning parser splits the output, which tokens were the answer's text is not known:
+    a 400 naming the field, pointing to chat completions. Nothing was started: the next request is served."""
+    for stream in (False, True):
+        too_many = httpx.post(reasoning_served.base_url + "/responses", json={
+            "model": MODEL, "input": "hi", "max_output_tokens": 1000, "top_logprobs": 5, "stream": stream},
+            timeout=60)
+        assert too_many.status_code == 400, too_many.text
+        error = too_many.json()["error"]
+        assert error["param"] == "top_logprobs" and "6,000 logprob entries" in error["message"], error
+        assert "max_output_tokens" in error["message"] and "Stream it" not in error["message"]
+    for body, param in (({"include": LOGPROBS}, "include"), ({"top_logprobs": 2}, "top_logprobs")):
+        split = httpx.post(reasoning_served.base_url + "/responses",
+                           json={"model": MODEL, "input": "hi", "max_output_tokens": 4, **body}, timeout=60)
+        assert split.status_code == 400 and split.json()["error"]["param"] == param, split.text
+        assert "--reasoning-parser" in split.json()["error"]["message"]
+    assert _client(reasoning_served).responses.create(model=MODEL, input="hi", max_output_tokens=2).output
