@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 
-from tests.hostile_grammars import gbnf_chain, ref_chain
+from tests.hostile_grammars import ref_chain, slow_gbnf
 from tests.supervise_process import title_of
 
 
@@ -39,8 +39,8 @@ def test_a_slow_grammar_is_refused_at_the_timeout_while_the_server_serves_on(sta
         poller = threading.Thread(target=poll_health, args=(stop,))
         poller.start()
         started = time.monotonic()
-        # 3,000 GBNF rules: 13 s of Python in the converter, all of it in the event loop before.
-        response = _chat(http, structured_outputs={"grammar": gbnf_chain(3000)})
+        # Seconds of Python in the GBNF converter, all of it in the event loop before.
+        response = _chat(http, structured_outputs={"grammar": slow_gbnf()})
         took = time.monotonic() - started
         stop.set()
         poller.join()
@@ -145,7 +145,7 @@ def test_another_clients_slow_grammar_does_not_hold_the_grammars_behind_it(start
 
         def slow() -> tuple[int, float]:
             with httpx.Client(base_url=server.url, timeout=60) as own:
-                response = _chat(own, structured_outputs={"grammar": gbnf_chain(3000)})
+                response = _chat(own, structured_outputs={"grammar": slow_gbnf()})
                 return response.status_code, time.monotonic()
 
         thread, slow_result = _in_thread(slow)
@@ -171,7 +171,7 @@ def test_a_grammar_behind_others_in_line_past_the_timeout_is_503_to_retry(start_
 
         def slow(i: int) -> int:
             with httpx.Client(base_url=server.url, timeout=60) as own:
-                return _chat(own, structured_outputs={"grammar": gbnf_chain(3000) + f"# {i}\n"}).status_code
+                return _chat(own, structured_outputs={"grammar": slow_gbnf(str(i))}).status_code
 
         slow_ones = []
         for i in range(3):  # one at the checker until 2 s, the next there from then on, the third next in line
@@ -197,7 +197,7 @@ def test_requests_for_a_grammar_being_checked_wait_for_that_check(start_supervis
     slow grammar (16 s here, or 503s now that the wait is bounded); now they share the one check."""
     server = start_supervise("--model", "sim:1", "--structured-output-checkers", "1",
                              "--structured-output-check-timeout", "2")
-    grammar = gbnf_chain(3000)
+    grammar = slow_gbnf()
     with httpx.Client(base_url=server.url, timeout=60) as http:
         assert _chat(http, response_format=_schema(0)).status_code == 200  # the checker is up: its start not timed
 
