@@ -25,8 +25,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        # Never held back as a whole answer's logprobs are: a Responses stream ends with the whole response, so
-        # apiserver/serving_responses.py bounds them, streamed or not, in its own words.
+        # The chat path bounds a whole answer's logprobs unless it streams; a Responses stream holds them too (its
+        # last event is the whole response), so apiserver/serving_responses.py bounds them itself, streamed or
+        # not, in this API's words, and the chat path is told it streams.
         stream=True,
         logprobs=req.wants_logprobs,
         top_logprobs=req.top_logprobs,

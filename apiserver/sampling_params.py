@@ -45,12 +45,12 @@ WHOLE_LOGPROBS_ADVICE = "Stream it, or ask for fewer tokens (max_tokens), choice
 
 def check_whole_logprobs(choices: int, max_tokens: int, top_n: int, prompt_tokens: int, limit: int,
                          param: str, advice: str = WHOLE_LOGPROBS_ADVICE) -> None:
-    """400 when a whole (not streamed) response could hold more than `limit` logprob entries: it keeps every
-    choice's until it is written (a token's entry and its `top_n` alternatives, about 400 bytes of the API
-    server's memory each, and its JSON), so n=128 with 20 top logprobs over a long context was gigabytes (one
-    request, one API server out of memory). `choices`: n, times the prompts of a completion batch;
-    `prompt_tokens`: the echoed prompts' tokens. A stream writes its entries as they come and keeps none.
-    `advice`: the way out, in the words of the request's API."""
+    """400 when a whole response (not streamed, or a Responses API one) could hold more than `limit` logprob
+    entries: it keeps every choice's until it is written (a token's entry and its `top_n` alternatives, about 400
+    bytes of the API server's memory each, and its JSON), so n=128 with 20 top logprobs over a long context was
+    gigabytes (one request, one API server out of memory). `choices`: n, times the prompts of a completion batch;
+    `prompt_tokens`: the echoed prompts' tokens. A chat or completion stream writes its entries as they come and
+    keeps none. `advice`: the way out, in the words of the request's API."""
     worst = (choices * max_tokens + prompt_tokens) * (1 + top_n)
     if limit and worst > limit:
         raise InvalidRequest(
