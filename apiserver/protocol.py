@@ -4,7 +4,7 @@ Only requests are models: responses are plain dicts (and stream chunks plain byt
 outputs, because constructing pydantic objects per response or per token costs more than the rest of the path.
 
 Unknown fields are refused with a 400 that names them (extra="forbid"). OpenAI fields that a text model here
-cannot honour (logit_bias, audio, ...) are declared with type None: clients that send them as null, as some
+cannot honour (audio, prediction, ...) are declared with type None: clients that send them as null, as some
 SDKs do, pass; any real value is refused with a message that names the field.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ T = TypeVar("T")
 # OpenAI fields accepted only as null (or a value that asks for nothing: see _SamplingFields): a value asks for
 # something this server does not do.
 UNSUPPORTED_FIELDS = (
-    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction",
+    "functions", "function_call", "audio", "modalities", "prediction",
     "web_search_options", "suffix", "best_of", "service_tier", "refusal", "annotations",
 )
 
@@ -208,9 +208,11 @@ class _SamplingFields(_Strict):
     sampling_nulls = nulls_mean_default("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                                         "skip_special_tokens", "priority")
 
-    # Unsupported, but also accepted at values that ask for nothing, which some clients send by default (legacy
-    # LangChain's logit_bias {}); `metadata` only labels a request for OpenAI's stored completions, as `user` does.
-    logit_bias: NoValue[dict] | None = None
+    # {token id (a string, as JSON keys are): bias}: ids and bounds checked with the vocabulary
+    # (apiserver.sampling_params.logit_bias); {} asks for nothing (legacy LangChain sends it by default).
+    logit_bias: dict[StrictStr, StrictNumber] | None = None
+    # Unsupported, but also accepted at values that ask for nothing, which some clients send by default;
+    # `metadata` only labels a request for OpenAI's stored completions, as `user` does.
     functions: NoValue[list] | None = None
     function_call: None = None
     audio: None = None

@@ -73,8 +73,43 @@ def check_echo(choices: int, prompt_tokens: int, limit: int) -> None:
         )
 
 
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 makes it the only choice
+
+
+def logit_bias(bias: dict | None, vocab_size: int, limit: int) -> tuple[list[int], list[float]]:
+    """OpenAI's `logit_bias` ({token id: bias}; the ids are strings in JSON, ints from gRPC) as the engine's two
+    lists, each id once. A 400 for a key that is not a token id of the vocabulary, a bias outside -100 to 100, or
+    more than `limit` entries (--max-logit-bias-entries; 0: none)."""
+    if not bias:
+        return [], []
+    if limit and len(bias) > limit:
+        raise InvalidRequest(f"`logit_bias` gives {len(bias):,} tokens a bias; at most {limit:,} are served "
+                             f"(--max-logit-bias-entries).", param="logit_bias")
+    low, high = LOGIT_BIAS_RANGE
+    biases: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = _token_id(key)
+        if token_id is None or not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"`logit_bias` holds the key {str(key)[:40]!r}, which is not a token id of the "
+                                 f"vocabulary (0 to {vocab_size - 1}).", param="logit_bias")
+        if not low <= value <= high:  # NaN too
+            raise InvalidRequest(f"`logit_bias` gives token {token_id} the bias {value:g}; a bias goes from {low:g} "
+                                 f"to {high:g}.", param="logit_bias")
+        biases[token_id] = float(value)
+    return list(biases), list(biases.values())
+
+
+def _token_id(key: str | int) -> int | None:
+    """A key's token id: an int as it is, a string of ASCII digits (10 at most: past 32 bits anyway) as its number;
+    None for anything else ("-1", " 5", "1e3", "٥")."""
+    if isinstance(key, int):
+        return key
+    return int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else None
+
+
 def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, grammar: str | None = None,
+                    max_logit_bias_entries: int = 0) -> SamplingParams:
     values = {}
     for name, (key, fallback) in _DEFAULTED.items():
         value = getattr(request, name)
@@ -89,6 +124,7 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
         raise InvalidRequest(
             f"`min_tokens` ({request.min_tokens}) is larger than `max_tokens` ({max_tokens}).", param="min_tokens"
         )
+    bias_ids, bias_values = logit_bias(request.logit_bias, vocab_size, max_logit_bias_entries)
     return SamplingParams(
         max_tokens=max_tokens,
         presence_penalty=request.presence_penalty or 0.0,
@@ -101,6 +137,8 @@ def sampling_params(request, defaults: dict, max_tokens: int, logprobs: int | No
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
         **values,
     )
 

@@ -104,7 +104,7 @@ class ChatServing(GenerationServing):
                                  "top_logprobs" if top_n else "logprobs")
         sampling = sampling_params(
             req, ctx.model.generation_defaults, max_tokens, top_n if req.logprobs else None, ctx.model.vocab_size,
-            grammar=grammar,
+            grammar=grammar, max_logit_bias_entries=ctx.config.max_logit_bias_entries,
         )
         request_id = self.request_id(request, req.request_id)
         generation = Generation(

@@ -87,7 +87,8 @@ class CompletionServing(GenerationServing):
                                  sum(len(p) for p in prompts) if echo_logprobs else 0, ctx.config.max_logprob_entries,
                                  "logprobs")
         sampling = sampling_params(req, ctx.model.generation_defaults, max_tokens, req.logprobs, ctx.model.vocab_size,
-                                   prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar)
+                                   prompt_logprobs=req.logprobs if echo_logprobs else None, grammar=grammar,
+                                   max_logit_bias_entries=ctx.config.max_logit_bias_entries)
         request_id = self.request_id(request, req.request_id)
         generation = Generation(
             ctx.engine, request_id, prompts, sampling, self.priority(request, req.priority),

@@ -32,6 +32,9 @@ def check_request(request: EngineRequest) -> None:
         if getattr(p, name) is not None:
             _int(getattr(p, name), name)
     _ints(p.stop_token_ids, "stop_token_ids")
+    _ints(p.logit_bias_ids, "logit_bias_ids")
+    if not matches(p.logit_bias_values, list[float]) or len(p.logit_bias_values) != len(p.logit_bias_ids):
+        raise BadRequest("logit_bias_values must be a list of numbers, one per logit_bias_ids")
     if not isinstance(p.ignore_eos, bool):
         raise BadRequest("ignore_eos must be a boolean")
     if p.grammar is not None and not isinstance(p.grammar, str):

@@ -1,15 +1,15 @@
 """Sampler: the next token of every sequence of a step from its logits row, all rows in batched tensor ops.
 
-Order (as vLLM and transformers do): penalties (repetition on prompt and output, presence and frequency on the
+Order (as vLLM does): logit bias, penalties (repetition on prompt and output, presence and frequency on the
 output), min_tokens (EOS and stop ids barred until then), then greedy rows take the argmax; the others are divided
 by their temperature, cut by top_k, min_p and top_p, and drawn by inverting the cumulative distribution at one
 uniform number per row (a multinomial draw that needs one random number, not one per vocabulary entry: filling a
 [rows, vocab] tensor with random numbers costs more on the CPU than the rest of the step's sampling). A request
 with a seed draws its number from its own generator, so its tokens do not depend on whatever else is in the batch.
 
-Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them. A
-step's structured-output mask (enginecore/structured_output.py) is applied first, to its constrained rows only: their
-logprobs are those of the masked distribution.
+Logprobs are those of the model's raw distribution (before logit bias, penalties and temperature), as vLLM reports
+them. A step's structured-output mask (enginecore/structured_output.py) is applied first, to its constrained rows
+only: their logprobs are those of the masked distribution.
 
 sample() leaves its logits as they are (the mask too goes into its own copy): when a batch raises (a row whose
 parameters the sampler cannot take), sample_each() samples the rows one by one from the same logits, each
@@ -17,6 +17,7 @@ constrained row under its own mask, so that only the culprits' requests fail.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,8 +94,9 @@ class Sampler:
         penalized = [i for i, (s, p) in enumerate(zip(seqs, params)) if p.repetition_penalty != 1.0
                      or ((p.presence_penalty or p.frequency_penalty) and s.num_output_tokens)]
         barred = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
+        biased = [i for i, p in enumerate(params) if p.logit_bias_ids]
         work = logits.float()  # a copy in half precision, the same tensor in float32
-        if work is logits and (allowed is not None or penalized or barred or not all(greedy)):
+        if work is logits and (allowed is not None or penalized or barred or biased or not all(greedy)):
             work = logits.clone()  # the steps below write into it
         logits = work
         if allowed is not None:
@@ -102,6 +104,7 @@ class Sampler:
         want = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
 
+        self._apply_logit_bias(logits, seqs, biased)
         self._apply_penalties(logits, seqs, penalized)
         self._apply_min_tokens(logits, seqs, barred)
 
@@ -130,6 +133,31 @@ class Sampler:
                 logprobs.append(one.logprobs[0])
                 errors.append(None)
         return SampleResult(tokens, logprobs, errors)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Every biased row's bias at once: one index_put_ over (row, token) pairs, whatever the number of rows."""
+        if not rows:
+            return
+        ids, values = zip(*(self._logit_bias(seqs[i], logits) for i in rows))
+        counts = [t.numel() for t in ids]
+        # output_size: the pairs' count is known here; without it the device would have to tell the host (a sync).
+        row_of = torch.repeat_interleave(to_device(rows, logits.device), to_device(counts, logits.device),
+                                         output_size=sum(counts))
+        logits.index_put_((row_of, torch.cat(ids)), torch.cat(values), accumulate=True)
+
+    def _logit_bias(self, seq: Sequence, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """seq's bias as (ids, values) on the device, made once per request (its choices share it). Ids outside
+        the vocabulary and values that are not finite are dropped: the API servers refuse them, and an index past
+        the row would be a device-side assert on CUDA, fatal to the engine."""
+        bias = seq.logit_bias
+        if not isinstance(bias, tuple):
+            p = seq.sampling
+            kept = [(t, v) for t, v in zip(p.logit_bias_ids, p.logit_bias_values)
+                    if 0 <= t < logits.shape[1] and math.isfinite(v)]
+            bias = (to_device([t for t, _ in kept], logits.device, torch.int64),
+                    to_device([v for _, v in kept], logits.device, torch.float32))
+            seq.logit_bias = bias
+        return bias
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         for i in rows:

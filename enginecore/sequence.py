@@ -54,6 +54,7 @@ class Sequence:
     # list the whole vocabulary (a list of a million ids once made every step of its engine take 2.4 s).
     stop_token_ids: frozenset[int] = frozenset()  # made from sampling's if not given (a fork shares its parent's)
     min_tokens_barred: object | None = None  # the ids barred until min_tokens, on the device (the sampler's)
+    logit_bias: object | None = None  # sampling's logit bias as (ids, values) on the device, made by the sampler once
     # The request's place in the fair share of the engine's slots (enginecore.scheduler): the scheduler's clock when
     # it came plus its prompt's ordinal in its API request. Its choice `index` takes its turn `index` later.
     turn: int = 0
@@ -101,5 +102,6 @@ class Sequence:
             num_registered_blocks=self.num_registered_blocks, num_cached_tokens=self.num_cached_tokens,
             num_prompt_logprobs=self.num_prompt_logprobs,
             grammar=None if self.grammar is None else self.grammar.fork(),
-            stop_token_ids=self.stop_token_ids, min_tokens_barred=self.min_tokens_barred, turn=self.turn,
+            stop_token_ids=self.stop_token_ids, min_tokens_barred=self.min_tokens_barred,
+            logit_bias=self.logit_bias, turn=self.turn,
         )

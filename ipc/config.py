@@ -108,6 +108,9 @@ class ServeConfig:
     # The most prompt tokens a completion's `echo` may repeat over its choices (n x the prompts' tokens): each is
     # the prompt's text again in the response (apiserver.sampling_params.check_echo). 0: no limit.
     max_echo_tokens: int = 4_194_304
+    # The most entries a request's logit_bias may give (a 400 past it): the engine adds each to its row's logits
+    # in every step, and keeps them on the device while the request runs. 0: no limit (the vocabulary's size).
+    max_logit_bias_entries: int = 1024
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False

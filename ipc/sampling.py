@@ -24,6 +24,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Structured outputs: an llguidance grammar as JSON text (ipc/grammar.py); every token is masked by it.
     grammar: str | None = None
+    # OpenAI's logit_bias: logit_bias_values[i] is added to the logit of token logit_bias_ids[i] before sampling
+    # (after the structured-output mask; logprobs stay the raw distribution's). Two lists: JSON objects have only
+    # string keys, and a list of ints is checked in C at decoding.
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
 
     @property
     def penalized(self) -> bool:

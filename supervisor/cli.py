@@ -277,6 +277,10 @@ def _positive(click_context, param, value):
               help="Most logprob entries (tokens x (1 + top logprobs), over every choice) a response that is not "
                    "streamed may hold (a Responses API one streamed too: its last event is the whole response); a "
                    "request that could need more gets HTTP 400 (stream it instead). 0: no limit.")
+@click.option("--max-logit-bias-entries", default=_DEFAULTS.max_logit_bias_entries, show_default=True,
+              type=click.IntRange(0),
+              help="Most tokens a request's `logit_bias` may give a bias to; more get HTTP 400 (gRPC: "
+                   "INVALID_ARGUMENT). The engine adds each to its request's logits in every step. 0: no limit.")
 @click.option("--max-echo-tokens", default=_DEFAULTS.max_echo_tokens, show_default=True, type=click.IntRange(0),
               help="Most prompt tokens a completion with `echo` may send back over all its choices (n x the "
                    "prompts' tokens); more get HTTP 400. 0: no limit.")

@@ -78,8 +78,8 @@ def test_bad_chat_fields_are_named(http, fields, param):
         assert_error(response, 400, param)
 
 
-@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("logit_bias", {"1": 5}),
-                                          ("audio", {"voice": "x"}), ("frobnicate", 1)])
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
+                                          ("prediction", {"type": "content", "content": "x"}), ("audio", {"voice": "x"}), ("frobnicate", 1)])
 def test_unsupported_and_unknown_fields_are_refused_by_name(http, field, value):
     error = assert_error(chat(http, **{field: value}), 400, field)
     assert field in error["message"]
@@ -97,7 +97,7 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
     assert response.status_code == 200, response.text
     too_many = {f"k{i}": "v" for i in range(17)}  # OpenAI's metadata holds at most 16 pairs
     for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1}),
-                         ("metadata", too_many), ("logit_bias", {"5": 1})):
+                         ("metadata", too_many), ("modalities", ["audio"])):
         assert field in assert_error(chat(http, **{field: value}), 400)["param"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
 

@@ -260,3 +260,38 @@ def test_prompt_logprobs_made_in_row_chunks_equal_them_made_at_once():
     tops = [i % 6 for i in range(rows)]
     whole = SampledTokens(torch.tensor(tokens), torch.log_softmax(logits.float(), dim=-1), tops).result().logprobs
     assert prompt_logprobs(logits, tokens, tops) == whole
+
+
+def test_logit_bias_bans_and_forces_tokens_only_in_its_own_rows(engine, prompts):
+    prompt = prompts[2]
+    expected = reference_greedy(prompt, 8)
+    forced = 1234 if 1234 not in expected else 1235
+    batch = [greedy_request("plain", prompt, 8),
+             greedy_request("ban", prompt, 8, logit_bias_ids=[expected[0]], logit_bias_values=[-100.0]),
+             greedy_request("force", prompt, 8, logit_bias_ids=[forced], logit_bias_values=[100.0], logprobs=0),
+             _sampled("force-sampled", prompt, max_tokens=8, temperature=1.0, seed=7, logit_bias_ids=[forced],
+                      logit_bias_values=[100.0])]
+    outs = engine.generate(batch)
+    assert outs[("plain", 0)] == expected
+    assert outs[("ban", 0)][0] != expected[0]
+    assert outs[("force", 0)] == [forced] * 8 and outs[("force-sampled", 0)] == [forced] * 8
+    # Logprobs are the raw distribution's: the forced token was unlikely before its bias.
+    engine.add_request(greedy_request("lp", prompt, 1, logit_bias_ids=[forced], logit_bias_values=[100.0], logprobs=0))
+    outs = []
+    while engine.has_work():
+        outs += [o for _, o in engine.step()]
+    (out,) = outs
+    assert out.new_token_ids == [forced] and out.logprobs[0][0] < -5
+
+
+def test_logit_bias_a_peer_sends_wrong_fails_alone_or_is_dropped(engine, prompts):
+    """A hostile or buggy API server: ids outside the vocabulary (an index past the row is fatal on CUDA) and
+    values that are not finite are dropped; lists of different lengths fail the request alone."""
+    prompt = prompts[2]
+    expected = reference_greedy(prompt, 6)
+    outside = greedy_request("outside", prompt, 6, logit_bias_ids=[-1, 10**9, engine.vocab_size, 5],
+                             logit_bias_values=[100.0, 100.0, 100.0, float("nan")])
+    assert engine.generate([outside])[("outside", 0)] == expected
+    (out,) = engine.add_request(greedy_request("uneven", prompt, 6, logit_bias_ids=[1, 2], logit_bias_values=[1.0]))
+    assert out.finish_reason == "error" and "logit_bias" in out.error
+    assert engine.generate([greedy_request("after", prompt, 6)])[("after", 0)] == expected

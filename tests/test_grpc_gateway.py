@@ -21,7 +21,7 @@ from openai import OpenAI
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer
 
-from tests.grpc_support import GrpcSupervise
+from tests.grpc_support import GrpcSupervise, generate_request
 from tests.supervise_process import terminate, title_of, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,3 +194,16 @@ def test_the_gateway_follows_our_health_check(group):
     (response,) = group.stub().Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
                                                            sampling_params=pb.SamplingParams(max_tokens=2)))
     assert response.complete.finish_reason in ("length", "stop")
+
+
+def test_a_logit_bias_over_grpc(group):
+    """The proto's logit_bias map, straight to the worker (smg 1.13 does not fill it from an OpenAI request's
+    `logit_bias`): +100 on " yes" makes it every token."""
+    model_dir = group.stub().GetModelInfo(pb.GetModelInfoRequest()).model_path
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    (yes,) = tokenizer.encode(" yes", add_special_tokens=False).ids
+    prompt = tokenizer.encode("The capital of France is").ids
+    (plain,) = group.stub().Generate(generate_request(prompt, max_tokens=4, temperature=0.0))
+    assert yes not in plain.complete.output_ids
+    (biased,) = group.stub().Generate(generate_request(prompt, max_tokens=4, temperature=0.0, logit_bias={yes: 100.0}))
+    assert list(biased.complete.output_ids) == [yes] * 4

@@ -26,6 +26,7 @@ from apiserver.errors import InvalidRequest
 from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params
 from apiserver.structured_outputs import checked
 from ipc import grammar as grammars
+from ipc.config import ServeConfig
 from ipc.model_info import ModelInfo
 from ipc.sampling import SamplingParams
 
@@ -58,18 +59,19 @@ class GenerateInput:
     constraint: tuple[str, Any] | None = None
 
 
-def parse_generate(request, metadata: dict, model: ModelInfo, max_logprob_entries: int = 0) -> GenerateInput:
-    """`max_logprob_entries`: the most a call that is not streamed may hold (--max-logprob-entries). A
-    constraint is only read here: `constrain` builds its grammar."""
+def parse_generate(request, metadata: dict, model: ModelInfo, config: ServeConfig) -> GenerateInput:
+    """`config`: the limits (--max-logprob-entries: the most a call that is not streamed may hold;
+    --max-logit-bias-entries). A constraint is only read here: `constrain` builds its grammar."""
     _refuse_unknown_fields(request)
     kept = _kept_ids(request, model)
-    sampling = _sampling(request.sampling_params, model, len(kept))  # refuses a prompt past the context
+    # refuses a prompt past the context
+    sampling = _sampling(request.sampling_params, model, len(kept), config.max_logit_bias_entries)
     prompt = _in_vocabulary(list(kept), model)
     if not request.stream and (sampling.logprobs is not None or sampling.prompt_logprobs is not None):
         top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
         try:
             check_whole_logprobs(sampling.n if sampling.logprobs is not None else 0, sampling.max_tokens, top,
-                                 len(prompt) if sampling.prompt_logprobs is not None else 0, max_logprob_entries,
+                                 len(prompt) if sampling.prompt_logprobs is not None else 0, config.max_logprob_entries,
                                  "logprobs")
         except InvalidRequest as exc:
             raise invalid_argument(exc.message) from None
@@ -152,9 +154,7 @@ def _in_vocabulary(prompt: list[int], model: ModelInfo) -> list[int]:
     return prompt
 
 
-def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
-    if len(params.logit_bias):
-        raise invalid_argument("`logit_bias` is not supported by this server's engine")
+def _sampling(params, model: ModelInfo, prompt_len: int, max_logit_bias_entries: int) -> SamplingParams:
     for name, (low, high, low_allowed) in _FLOAT_RANGES.items():
         value = getattr(params, name)
         if name != "temperature" and value == 0.0 and not low_allowed:
@@ -185,8 +185,10 @@ def _sampling(params, model: ModelInfo, prompt_len: int) -> SamplingParams:
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         n=n,
+        logit_bias=dict(params.logit_bias),
     )
-    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs)
+    return sampling_params(fields, model.generation_defaults, max_tokens, logprobs, model.vocab_size, prompt_logprobs,
+                           max_logit_bias_entries=max_logit_bias_entries)
 
 
 def _constraint(params) -> tuple[str, Any] | None:

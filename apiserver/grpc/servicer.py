@@ -46,7 +46,7 @@ class VllmEngineService:
     async def Generate(self, request, context):
         async with _Call(self, request, context) as received:
             request = received.message
-            call = parse_generate(request, received.metadata, self.ctx.model, self.ctx.config.max_logprob_entries)
+            call = parse_generate(request, received.metadata, self.ctx.model, self.ctx.config)
             self._check_engine()
             await constrain(call, self.ctx.grammars, self.ctx.config.max_structured_output_choices)
             if call.request_id != request.request_id:
