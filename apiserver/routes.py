@@ -18,7 +18,7 @@ from apiserver.serving_chat import ChatServing
 from apiserver.serving_completion import CompletionServing
 from apiserver.serving_responses import ResponsesServing
 from apiserver.serving_tokenize import TokenizeServing
-from apiserver.validation import parsing
+from apiserver.validation import parsing, request_body
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Invocations:
         self._completion = completion
 
     async def create(self, request: Request):
-        raw = await request.body()
+        raw = await request_body(request)
         try:
             async with parsing(raw):
                 body = orjson.loads(raw)

@@ -27,7 +27,7 @@ from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar, schema_grammar
 from apiserver.tool_choice import tool_plan
 from apiserver.usage import usage
-from apiserver.validation import parse_request_body
+from apiserver.validation import parse_request_body, request_body
 
 
 class Prepared(NamedTuple):
@@ -50,7 +50,7 @@ class ChatServing(GenerationServing):
 
     async def create(self, request: Request, body: bytes | None = None):
         """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
-        req = await parse_request_body(ChatCompletionRequest, body if body is not None else await request.body())
+        req = await parse_request_body(ChatCompletionRequest, body if body is not None else await request_body(request))
         generation, shape, top_n = await self.prepare(request, req)
         response_id = "chatcmpl-" + generation.request_id
         created = int(time.time())

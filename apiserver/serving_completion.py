@@ -22,7 +22,7 @@ from apiserver.sampling_params import check_echo, check_whole_logprobs, max_toke
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
-from apiserver.validation import parse_request_body
+from apiserver.validation import parse_request_body, request_body
 
 MAX_PROMPTS = 256
 
@@ -58,7 +58,7 @@ class CompletionServing(GenerationServing):
 
     async def create(self, request: Request, body: bytes | None = None):
         """`body`: the request's, as a caller rewrote it (/invocations fills in the model)."""
-        req = await parse_request_body(CompletionRequest, body if body is not None else await request.body())
+        req = await parse_request_body(CompletionRequest, body if body is not None else await request_body(request))
         self.check_model(req.model)
         self.check_engine()
         if req.max_tokens == 0 and not req.echo:

@@ -18,7 +18,7 @@ from apiserver.responses_output import (
 from apiserver.responses_stream import ResponseEventWriter
 from apiserver.sampling_params import check_whole_logprobs
 from apiserver.serving_chat import ChatServing
-from apiserver.validation import parse_request_body
+from apiserver.validation import parse_request_body, request_body
 
 
 # The chat request's fields that errors from the chat path name, as this request calls them.
@@ -33,7 +33,7 @@ class ResponsesServing:
         self.ctx = chat.ctx
 
     async def create(self, request: Request):
-        req = await parse_request_body(ResponsesRequest, await request.body())
+        req = await parse_request_body(ResponsesRequest, await request_body(request))
         try:
             generation, shape, top_n = await self._chat.prepare(request, chat_request(req))
         except ApiError as exc:

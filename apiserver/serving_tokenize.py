@@ -11,7 +11,7 @@ from apiserver.prompt_offload import decode, encode, render_chat, token_strings
 from apiserver.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from apiserver.serving import GenerationServing
 from apiserver.tool_choice import tools_for_template
-from apiserver.validation import parse_body, parse_request_body, parsing
+from apiserver.validation import parse_body, parse_request_body, parsing, request_body
 
 
 def _json(body) -> Response:
@@ -32,7 +32,7 @@ class TokenizeServing(GenerationServing):
         self._chat = chat
 
     async def tokenize(self, request: Request) -> Response:
-        body = await request.body()
+        body = await request_body(request)
         async with parsing(body):
             req = _tokenize_request(body)
         renderer = self.ctx.renderer
@@ -51,7 +51,7 @@ class TokenizeServing(GenerationServing):
                       "token_strs": strings})
 
     async def detokenize(self, request: Request) -> Response:
-        req = await parse_request_body(DetokenizeRequest, await request.body())
+        req = await parse_request_body(DetokenizeRequest, await request_body(request))
         self.check_model(req.model)
         vocab = self.ctx.model.vocab_size
         if req.tokens and max(req.tokens) >= vocab:

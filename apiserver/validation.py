@@ -7,8 +7,21 @@ from contextlib import asynccontextmanager
 
 from pydantic import BaseModel, ValidationError
 
-from apiserver.errors import InvalidRequest
+from apiserver.errors import ApiError, InvalidRequest
 from apiserver.protocol import UNSUPPORTED_FIELDS
+
+
+async def request_body(request) -> bytes:
+    """The request's body, as sent. A 415 when it comes compressed (Content-Encoding gzip, br, ...): this server
+    reads bodies as they are, and a gzipped JSON body was a 400 "not valid JSON at column 1" that sent the client
+    looking at its JSON. Read first, so the connection stays usable after the answer."""
+    body = await request.body()
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ApiError(f"The request body comes with Content-Encoding `{encoding[:40]}`; this server reads only "
+                       f"uncompressed bodies: send it without compression.", code="unsupported_content_encoding",
+                       status=415, headers={"Accept-Encoding": "identity"})  # RFC 7694's answer
+    return body
 
 
 def parse_body(model: type[BaseModel], body: bytes):

@@ -1,5 +1,8 @@
 """Every error through raw HTTP: the OpenAI error body with the right status, naming the field at fault;
 never a 500 for bad input, never a traceback. And what clients see when the engine dies."""
+import gzip
+import json
+
 import httpx
 import openai
 import pytest
@@ -269,3 +272,27 @@ def test_engine_death_mid_stream_is_an_error_event(start_supervise):
         events = [line for line in lines if line]
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "service_unavailable_error" in events[-2]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+    ("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 1}),
+    ("/invocations", {"messages": HELLO, "max_tokens": 1}),
+    ("/tokenize", {"model": MODEL, "prompt": "x"}),
+    ("/detokenize", {"model": MODEL, "tokens": [1]}),
+])
+def test_a_compressed_body_is_a_415_and_an_uncompressed_one_passes(http, path, body):
+    """A gzipped JSON body was a 400 "not valid JSON at column 1"; the client needs to hear that the server
+    reads bodies uncompressed (RFC 7694: 415 with Accept-Encoding)."""
+    raw = json.dumps(body).encode()
+    for encoding, sent in (("gzip", gzip.compress(raw)), ("br", raw), ("gzip, identity", gzip.compress(raw))):
+        response = http.post(path, content=sent, headers={"content-type": "application/json",
+                                                          "content-encoding": encoding})
+        error = assert_error(response, 415, None)
+        assert error["code"] == "unsupported_content_encoding" and "Content-Encoding" in error["message"]
+        assert response.headers["accept-encoding"] == "identity"
+    for encoding in ("identity", "IDENTITY", ""):
+        response = http.post(path, content=raw, headers={"content-type": "application/json",
+                                                         "content-encoding": encoding})
+        assert response.status_code == 200, response.text
