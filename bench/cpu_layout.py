@@ -5,7 +5,7 @@ Each table side by side in one run:
    the float32 weight layout (timed at start-up, the engine's own function) and the default quantization;
 2. memory read bandwidth and the single-stream ceiling it sets for float32 and int8 weights;
 3. one SmolLM2-135M layer's products and the LM head at decode batch sizes, per kernel: float32 row- and
-   column-major, bf16 and int8 W8A8 (`--quantization bf16|int8`), and torch's int8 weight-only and int4
+   column-major, bf16 and int8 (`--quantization bf16|int8`: our W8A32, oneDNN's W8A8), and torch's int8 weight-only and int4
    (GGUF Q4_1-sized groups of 32) kernels, which the engine does not offer because of these figures;
    then the whole model's products per kernel with every layer's own weights, read from memory as in a decode
    step (one layer's weights stay in the caches, which favours some kernels: on a 2-core Intel Xeon MKL's
@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
-from enginecore.cpu_linear import (Bf16Linear, Float32Linear, Int8Linear, OneDnnFloat32Linear,  # noqa: E402
-                                   bf16_unavailable_reason, int8_unavailable_reason, native_bf16)
-from enginecore.cpu_setup import auto_choice, float32_layout, product_shapes  # noqa: E402
+from enginecore.cpu_linear import (Bf16Linear, Float32Linear, OneDnnFloat32Linear,  # noqa: E402
+                                   bf16_unavailable_reason, native_bf16)
+from enginecore.cpu_setup import (auto_choice, float32_layout, int8_kernels, int8_unavailable_reason,  # noqa: E402
+                                  product_shapes)
 from enginecore.cpu_threads import set_cpu_threads  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
@@ -95,8 +96,8 @@ def _engine_kernels() -> dict:
              "f32 onednn": OneDnnFloat32Linear}
     if bf16_unavailable_reason() is None:
         kinds["bf16"] = Bf16Linear
-    if int8_unavailable_reason() is None:  # where it runs but is wrong, its time means nothing
-        kinds["int8 W8A8"] = Int8Linear
+    # int8's kernels where they multiply right (where one runs but is wrong, its time means nothing)
+    kinds.update({f"int8 {name}": kernel for name, kernel in int8_kernels().items()})
     return kinds
 
 

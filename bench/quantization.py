@@ -24,6 +24,8 @@ import enginecore  # noqa: E402,F401  (first: OpenMP settings before torch loads
 import torch  # noqa: E402
 from ipc.messages import EngineRequest  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
+from enginecore.cpu_linear import bf16_unavailable_reason  # noqa: E402
+from enginecore.cpu_setup import int8_unavailable_reason  # noqa: E402
 from tests.agreement import QUESTIONS, agreement, reference  # noqa: E402
 from tests.test_engine_support import chat_prompt, make_engine  # noqa: E402
 
@@ -36,11 +38,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=32)
     args = p.parse_args()
-    engines = {mode: make_engine(quantization=mode) for mode in MODES}
+    unavailable = {"bf16": bf16_unavailable_reason(), "int8": int8_unavailable_reason()}
+    for mode, why in unavailable.items():
+        if why:
+            print(f"{mode}: cannot run here: {why}")
+    engines = {mode: make_engine(quantization=mode) for mode in MODES if not unavailable.get(mode)}
     ref = reference(engines["none"], [chat_prompt(q) for q in QUESTIONS], max_tokens=32)
     print(f"{'mode':>6}{'teacher-forced':>16}{'free-running':>14}{'mean logprob':>14}{'max gap':>10}  (float32: "
           f"{sum(sum(e[0] for e in s) / len(s) for s in ref.scores) / len(ref.scores):.4f})")
-    for mode in MODES[1:]:
+    for mode in list(engines)[1:]:
         a = agreement(ref, engines[mode])
         print(f"{mode:>6}{a.teacher_forced:>16.1%}{a.free_running:>14.1%}{a.mean_logprob_other:>14.4f}"
               f"{a.max_prompt_logprob_gap:>10.4f}")
@@ -49,7 +55,7 @@ def main() -> None:
     print(f"\ndecode out tok/s (32-token prompts + {args.output_len}), median of {args.rounds} interleaved rounds")
     for streams in args.streams:
         prompts = torch.randint(100, 30000, (streams, 32), generator=gen).tolist()
-        rates = {mode: [] for mode in MODES}
+        rates: dict[str, list[float]] = {mode: [] for mode in engines}
         for r in range(args.rounds):
             for mode, engine in engines.items():
                 started = time.perf_counter()

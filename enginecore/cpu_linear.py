@@ -8,7 +8,7 @@ A `LinearKernel` computes `x @ W.T (+ residual)` for x [rows, in]. Two kinds:
   the library's path on it (MKL takes other code paths on AMD than on Intel: on an AMD EPYC Zen 5 oneDNN's
   packed kernels ran a decode step's thin products 2.5-6x faster than MKL's), so `pick_float32_layout` times
   the three on the model's own shapes at start-up. Float32 throughout: only the order of the sums changes.
-- `Int8Linear` (`--quantization int8`): W as int8 with one scale per output channel (symmetric, the largest
+- `Int8Linear` (one of `--quantization int8`'s two kernels; the other is enginecore.cpu_int8's): W as int8 with one scale per output channel (symmetric, the largest
   |w| of the row maps to 127), and the activations quantized per row (per token) to int8 at each call, so
   the product runs on oneDNN's integer kernels (VNNI where the CPU has it). A decode step reads a quarter of
   the weight bytes of float32, which is what bounds it. This is W8A8 dynamic quantization, as vLLM's CPU
@@ -74,12 +74,24 @@ FLOAT32_KERNELS = {
 }
 
 
+def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (int8 [out, in], float32 scale [out]), W ~= q * scale: symmetric per output channel, the
+    largest |w| of a row maps to 127."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def int8_dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight that the int8 kernels multiply by, for `weight`."""
+    q, scale = per_channel_int8(weight)
+    return q.float() * scale[:, None]
+
+
 class Int8Linear(LinearKernel):
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
-        qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        qweight, self.scale = per_channel_int8(weight)
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
 
@@ -162,8 +174,8 @@ def bf16_unavailable_reason() -> str | None:
 
 
 @functools.cache
-def int8_unavailable_reason() -> str | None:
-    """Why `Int8Linear` cannot run here, or None. A product of ones checks the result too: without VNNI
+def onednn_int8_unavailable_reason() -> str | None:
+    """Why `Int8Linear` (oneDNN's W8A8) cannot run here, or None. A product of ones checks the result too: without VNNI
     (AVX-512 VNNI or AVX-VNNI) oneDNN's AVX2 int8 kernels add pairs of uint8 x int8 products in 16 bits, which
     saturate for activations near 255, so their products come out wrong."""
     y, _ = _product_of_ones(Int8Linear)
@@ -174,10 +186,6 @@ def int8_unavailable_reason() -> str | None:
     vnni = {"avx512_vnni", "avx_vnni"} & cpu_flags()
     return (f"oneDNN's int8 products are wrong on this CPU ({'with ' + ', '.join(sorted(vnni)) if vnni else 'no VNNI'}: "
             f"a product of ones gave {y[0, 0].item():g}, not 8)")
-
-
-def int8_available() -> bool:
-    return int8_unavailable_reason() is None
 
 
 def time_kernels(factories: dict, shapes: list[tuple[int, int]], batch_sizes=(1, 8, 32), repeat: int = 3) -> dict:

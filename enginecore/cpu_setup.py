@@ -4,7 +4,9 @@ kernels and layout (by measurement on this CPU), and whether the lean Llama forw
 `--quantization` (vLLM's flag) on the CPU, the activations and everything but the matrix products in float32:
 - `none`: float32 weights (in the layout measured faster here);
 - `bf16`: bfloat16 weights and product inputs (enginecore.cpu_linear.Bf16Linear), the LM head in float32;
-- `int8`: int8 weights per output channel and activations per token, W8A8 (Int8Linear);
+- `int8`: int8 weights per output channel, by whichever of two kernels multiplies the model's products faster
+  here (timed at start-up): our own W8A32 (enginecore.cpu_int8, float32 activations; any CPU with a C compiler)
+  or oneDNN's W8A8 (Int8Linear, activations quantized per token; right only where the CPU has VNNI);
 - `auto`, the default: for a model loaded from a GGUF (the embedded model is one: its weights are 4-bit
   quantized already), the fastest mode that keeps float32's greedy tokens, chosen at start-up: bf16 where the
   CPU multiplies bfloat16 natively and that beats float32 on the model's products, else int8 where that beats
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import Callable
 
 import torch
 
-from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, bf16_unavailable_reason, int8_available,
-                                   int8_unavailable_reason, native_bf16, pick_float32_layout, time_kernels)
+from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason
+from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, bf16_unavailable_reason, native_bf16,
+                                   onednn_int8_unavailable_reason, pick_float32_layout, time_kernels)
 from enginecore.lean_model import LeanLlama, unsupported_reason
 from enginecore.cpu_weights import store_linear_weights_column_major
 from enginecore.engine_base import BadEngineSetting
@@ -28,7 +32,9 @@ from enginecore.engine_base import BadEngineSetting
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "bf16", "int8")
-KERNELS = {"bf16": Bf16Linear, "int8": Int8Linear}
+# --quantization int8's kernels, by the name the log gives them.
+INT8_KERNELS = {"W8A32 (ours)": (PackedInt8Linear, packed_int8_unavailable_reason),
+                "W8A8 (oneDNN)": (Int8Linear, onednn_int8_unavailable_reason)}
 
 # Built CPU models per transformers model and choice: engines built on one loaded model (tests, benchmarks)
 # share the copies instead of making their own.
@@ -50,15 +56,27 @@ def resolve_quantization(spec: str, model_spec: str | None, device: torch.device
     return spec
 
 
+def int8_kernels() -> dict:
+    """--quantization int8's kernels that multiply right here, by name."""
+    return {name: kernel for name, (kernel, unavailable) in INT8_KERNELS.items() if unavailable() is None}
+
+
+def int8_unavailable_reason() -> str | None:
+    """Why neither int8 kernel runs here, or None."""
+    if int8_kernels():
+        return None
+    return "; ".join(unavailable() or "" for _, unavailable in INT8_KERNELS.values())
+
+
 def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
     """(mode, why) for --quantization auto: bf16 where native and faster than float32, else int8 where faster."""
     candidates = {"none": FLOAT32_KERNELS[layout["kernel"]]}
     if native_bf16():
         candidates["bf16"] = Bf16Linear
-    if int8_available():
-        candidates["int8"] = Int8Linear
+    if int8_kernels():
+        candidates["int8"] = INT8_KERNELS[int8_kernel(model)["kernel"]][0]
     if len(candidates) == 1:
-        return "none", "no native bfloat16 and no oneDNN int8 here"
+        return "none", "no native bfloat16 and no int8 kernel here"
     times = time_kernels(candidates, product_shapes(model), batch_sizes=(1, 8))
     why = "the model's products at batch 1 and 8 took " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
     for mode in ("bf16", "int8"):  # the more accurate first
@@ -93,20 +111,28 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     why = ""
     if quantization == "auto":
         quantization, why = auto_choice(model, layout)
-    key = (quantization, layout["kernel"])
+    kernel, described = mode_kernel(model, quantization, layout)
+    key = (quantization, kernel)
     cached = _built.setdefault(model, {})
     if key not in cached:
-        float32 = FLOAT32_KERNELS[layout["kernel"]]
         # bf16 keeps the LM head in float32: logits from bfloat16 inputs flipped near-ties of float32's top two
         # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
-        cached[key] = LeanLlama(model, KERNELS.get(quantization) or float32,
-                               make_head=float32 if quantization == "bf16" else None)
+        cached[key] = LeanLlama(model, kernel, make_head=FLOAT32_KERNELS[layout["kernel"]]
+                                if quantization == "bf16" else None)
     cached[key].quantization = quantization
-    kernels = {"int8": "int8 W8A8 (oneDNN)", "bf16": "bfloat16 (oneDNN)"}.get(quantization) or \
-        f"float32 {layout['kernel']} ({layout['why']})"
-    log.info("CPU: lean Llama forward, products %s%s", kernels, f"; --quantization auto chose {quantization}: {why}"
+    log.info("CPU: lean Llama forward, products %s%s", described, f"; --quantization auto chose {quantization}: {why}"
              if why else "")
     return cached[key]
+
+
+def mode_kernel(model: torch.nn.Module, quantization: str, layout: dict) -> tuple[Callable, str]:
+    """The kernel of a mode's products here, and how the log names it."""
+    if quantization == "bf16":
+        return Bf16Linear, "bfloat16 (oneDNN)"
+    if quantization == "int8":
+        int8 = int8_kernel(model)
+        return INT8_KERNELS[int8["kernel"]][0], f"int8 {int8['kernel']}{' (' + int8['why'] + ')' if int8['why'] else ''}"
+    return FLOAT32_KERNELS[layout["kernel"]], f"float32 {layout['kernel']} ({layout['why']})"
 
 
 _auto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -131,6 +157,21 @@ def product_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
 
 
 _layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_int8: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def int8_kernel(model: torch.nn.Module) -> dict:
+    """The int8 kernel for `model` here: `kernel`, its name in INT8_KERNELS; `why`, the timings where two ran.
+    Measured once per model and process, on the model's product shapes at batch 1, 8 and 32."""
+    if model not in _int8:
+        kinds = int8_kernels()
+        if len(kinds) == 1:
+            _int8[model] = {"kernel": next(iter(kinds)), "why": ""}
+        else:
+            t = time_kernels(kinds, product_shapes(model))
+            _int8[model] = {"kernel": min(t, key=t.__getitem__), "why": "timed at start-up: " + ", ".join(
+                f"{name} {seconds * 1e3:.2f} ms" for name, seconds in t.items())}
+    return _int8[model]
 
 
 def float32_layout(model: torch.nn.Module) -> dict:

@@ -1,0 +1,128 @@
+"""Our int8 kernel (enginecore/csrc/int8_linear.c through enginecore.cpu_int8): every product equals float32's
+with the same int8 weights, on every path of the kernel (one row, a tile of rows, more rows than a tile, columns
+past a chunk, channels past a panel), as built for this CPU and as plain C; bit for bit whatever the thread
+count; and without a compiler it says why, and the engine falls back or refuses in one line."""
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from enginecore import native
+from enginecore.cpu_int8 import PackedInt8Linear, bind, kernels, packed_int8_unavailable_reason
+from enginecore.cpu_linear import int8_dequantized, onednn_int8_unavailable_reason
+
+from tests.supervise_process import SUPERVISE
+
+pytestmark = pytest.mark.skipif(packed_int8_unavailable_reason() is not None,
+                                reason=f"our int8 kernel does not run here: {packed_int8_unavailable_reason()}")
+
+# rows: 1 (its own loop), 2-6 (one tile, widened in registers), 7+ (tiles over a widened panel);
+# columns past 256 (the widened chunk); channels that do not fill a panel of 16.
+SHAPES = [(rows, fan_in, fan_out) for rows in (1, 2, 5, 6, 7, 8, 13, 33) for fan_in, fan_out in
+          ((8, 16), (3, 1), (577, 17), (256, 40), (300, 96))] + [(70, 1536, 33)]
+
+
+def product_error(kernel: PackedInt8Linear, weight: torch.Tensor, rows: int, residual: bool) -> float:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, weight.shape[1], generator=gen)
+    r = torch.randn(rows, weight.shape[0], generator=gen) if residual else None
+    exact = x.double() @ int8_dequantized(weight).double().T + (r.double() if residual else 0)
+    got = kernel(x, residual=r)
+    assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32
+    return ((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("rows, fan_in, fan_out", SHAPES)
+def test_every_product_equals_float32_with_the_same_int8_weights(rows, fan_in, fan_out):
+    weight = torch.randn(fan_out, fan_in, generator=torch.Generator().manual_seed(fan_in)) * 0.05
+    kernel = PackedInt8Linear(weight)
+    for residual in (False, True):
+        assert product_error(kernel, weight, rows, residual) < 1e-5
+
+
+def test_the_result_is_the_same_bit_for_bit_on_one_thread_and_on_all():
+    """Each output is one thread's sum in one order, so the thread governor's changes change no token."""
+    weight = torch.randn(1000, 576) * 0.05
+    kernel = PackedInt8Linear(weight)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 4, 32):
+            x = torch.randn(rows, 576)
+            torch.set_num_threads(1)
+            one = kernel(x)
+            torch.set_num_threads(max(2, os.cpu_count() or 2))
+            assert torch.equal(kernel(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_non_contiguous_input_is_multiplied_as_its_values():
+    weight = torch.randn(48, 64) * 0.05
+    x = torch.randn(64, 9).T  # [9, 64], not contiguous
+    assert torch.allclose(PackedInt8Linear(weight)(x), x @ int8_dequantized(weight).T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="plain C is what other CPUs build anyway")
+def test_the_plain_c_path_equals_float32_too(tmp_path):
+    """Built without AVX2 (the path a CPU without it, or another architecture, compiles), through the same
+    binding."""
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "plain.so"
+    subprocess.run([cc, "-O2", "-fopenmp", "-mno-avx2", "-mno-fma", "-shared", "-fPIC", "-o", str(library),
+                    str(native.SOURCES / "int8_linear.c")], check=True, timeout=120)
+    plain = bind(ctypes.CDLL(str(library)))
+    for rows, fan_in, fan_out in [(1, 577, 17), (7, 300, 96), (33, 8, 16)]:
+        weight = torch.randn(fan_out, fan_in) * 0.05
+        assert product_error(PackedInt8Linear(weight, lib=plain), weight, rows, residual=True) < 1e-5
+
+
+def test_the_built_library_is_kept_and_loaded_again_without_a_build(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    probe = "from enginecore.cpu_int8 import packed_int8_unavailable_reason as r; print(r())"
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == "None", done.stderr
+    built = list((tmp_path / "supervise" / "native").glob("int8_linear-*.so"))
+    assert len(built) == 1
+    assert not list((tmp_path / "supervise" / "native").glob("*.partial"))
+
+
+def test_without_a_compiler_the_kernel_says_why(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": shutil.which("false") or "/bin/false"}
+    probe = "from enginecore.cpu_int8 import packed_int8_unavailable_reason as r; print(r())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("our int8 kernel cannot be built here: "), done.stdout + done.stderr
+    assert "int8_linear.c" in done.stdout
+
+
+@pytest.mark.skipif(onednn_int8_unavailable_reason() is None, reason="oneDNN's int8 runs here: int8 stays possible")
+def test_int8_without_a_compiler_and_without_vnni_is_refused_in_one_line(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": shutil.which("false") or "/bin/false"}
+    shutil.copytree(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supervise"),
+                    tmp_path / "cache" / "supervise", ignore=shutil.ignore_patterns("native"))
+    result = subprocess.run([SUPERVISE, "--quantization", "int8", "--port", "0"], capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL, env=env)
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("supervise: error: --quantization int8: our int8 kernel cannot "
+                                                     "be built here"), errors
+    assert "oneDNN's int8 products are wrong" in errors[0] and errors[0].endswith("; use --quantization none")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_engine_uses_it_where_it_is_int8s_kernel():
+    from enginecore.cpu_setup import int8_kernel
+    from tests.test_engine_support import make_engine
+
+    engine = make_engine(quantization="int8")
+    if int8_kernel(engine.loaded.model)["kernel"] != "W8A32 (ours)":
+        pytest.skip("oneDNN's W8A8 is the faster here")
+    lean = engine.runner.lean_model
+    assert all(isinstance(k, PackedInt8Linear) for k in lean.linears())
+    assert kernels() is lean.head.lib
