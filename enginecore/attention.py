@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from enginecore import cpu_attention
+
 ATTENTION_NAME = "supervise_paged"
 
 
@@ -66,6 +68,7 @@ class StepAttention:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     num_decodes: int  # the first num_decodes rows are single-token sequences
     decode_blocks: torch.Tensor | None = None  # [num_decodes * blocks per sequence] block tables padded with 0
+    decode_lengths: torch.Tensor | None = None  # [num_decodes] int64 each decode's context length
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, blocks * block_size] bool: True = attend
     prefills: list[PrefillRun] = field(default_factory=list)
     varlen: VarlenAttention | None = None  # set instead of the rest where flash varlen attention runs
@@ -110,30 +113,46 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     v_new = value[0].transpose(0, 1)
     k_slots.index_copy_(0, step.slot_mapping, k_new)
     v_slots.index_copy_(0, step.slot_mapping, v_new)
-
-    _, heads, num_tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
+    q = query[0].transpose(0, 1)  # [T, heads, d]
     if step.varlen is not None:
-        return attend_stored(layer, query[0].transpose(0, 1), scaling).unsqueeze(0), None
-    if not step.prefills:  # all decodes: one batched op, no copy into a separate output
-        return _decode(layer, query[0], step, kv_heads, group, scaling).unsqueeze(0), None
+        return attend_stored(layer, q, scaling).unsqueeze(0), None
+    return attend_written(layer, q, scaling, k_new, v_new).unsqueeze(0), None
 
-    out = query.new_empty(num_tokens, heads, head_dim)
+
+def attend_written(layer: int, q: torch.Tensor, scaling, k_new: torch.Tensor | None = None,
+                   v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """A step's attention by batched decodes and one call per prompt run, the step's K/V already in the cache:
+    q [T, heads, d] -> [T, heads, d]. A run that starts its sequence attends to its own new K/V: k_new and v_new
+    [T, kv_heads, d] where the caller has them, else read back from their slots. The lean forward calls it
+    directly on the CPU where it wrote K/V itself (enginecore.cpu_layer_ops)."""
+    step = current.step
+    assert step is not None and step.varlen is None
+    num_tokens, heads, head_dim = q.shape
+    k_slots, v_slots = current.kv_cache.slots[layer]
+    kv_heads = k_slots.shape[1]
+    group = heads // kv_heads
+    if not step.prefills:  # all decodes: one batched op, no copy into a separate output
+        return _decode(layer, q, step, kv_heads, group, scaling)
+
+    out = q.new_empty(num_tokens, heads, head_dim)
     b = step.num_decodes
     if b:
-        out[:b] = _decode(layer, query[0, :, :b], step, kv_heads, group, scaling)
+        out[:b] = _decode(layer, q[:b], step, kv_heads, group, scaling)
     for run in step.prefills:
-        q = query[:, :, run.start:run.end]
+        qr = q[run.start:run.end].transpose(0, 1)[None]  # [1, heads, n, d]
         if run.context_blocks is None:
-            k = key[:, :, run.start:run.end]
-            v = value[:, :, run.start:run.end]
-            o = sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
+            if k_new is None or v_new is None:
+                slots = step.slot_mapping[run.start:run.end]
+                k_run, v_run = k_slots.index_select(0, slots), v_slots.index_select(0, slots)
+            else:
+                k_run, v_run = k_new[run.start:run.end], v_new[run.start:run.end]
+            o = sdpa(qr, k_run.transpose(0, 1)[None], v_run.transpose(0, 1)[None], is_causal=True, scale=scaling,
+                     enable_gqa=group > 1)
         else:
             k, v = _gather(current.kv_cache.layers[layer], run.context_blocks, run.context_len)
-            o = sdpa(q, k, v, attn_mask=run.mask, scale=scaling, enable_gqa=group > 1)
+            o = sdpa(qr, k, v, attn_mask=run.mask, scale=scaling, enable_gqa=group > 1)
         out[run.start:run.end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def attend_stored(layer: int, q: torch.Tensor, scaling) -> torch.Tensor:
@@ -191,14 +210,20 @@ def _gather(layer_kv: torch.Tensor, block_ids: torch.Tensor, length: int) -> tup
 
 
 def _decode(layer: int, q: torch.Tensor, step: StepAttention, kv_heads: int, group: int, scaling) -> torch.Tensor:
-    """q [heads, B, d] -> [B, heads, d]. Each query head attends with the other heads of its KV group, packed as
-    the 'query length' dimension of SDPA, so no K/V is repeated per head."""
-    heads, b, d = q.shape
+    """q [B, heads, d] -> [B, heads, d]. On the CPU in float32, by our kernel, which reads each row's blocks where
+    they lie (enginecore.cpu_attention). Else each query head attends with the other heads of its KV group, packed
+    as the 'query length' dimension of SDPA, so no K/V is repeated per head."""
+    b, heads, d = q.shape
     assert step.decode_blocks is not None  # set wherever a step has decodes and no varlen attention
-    k, v = _gather_blocks(current.kv_cache.layers[layer], step.decode_blocks)  # each [B * L, kv_heads, d]
+    cache = current.kv_cache
+    if cache.tensor.device.type == "cpu" and cache.tensor.dtype == torch.float32 and step.decode_lengths is not None:
+        kernel = cpu_attention.kernel()
+        if kernel is not None:
+            return cpu_attention.decode(q, cache.layer_addresses[layer], step.decode_blocks, step.decode_lengths,
+                                        scaling, kernel)
+    k, v = _gather_blocks(cache.layers[layer], step.decode_blocks)  # each [B * L, kv_heads, d]
     k, v = (t.view(b, -1, kv_heads, d).transpose(1, 2) for t in (k, v))  # [B, kv_heads, L, d]
-    q = q.transpose(0, 1).reshape(b, kv_heads, group, d)
-    o = sdpa(q, k, v, attn_mask=step.decode_mask, scale=scaling)  # [B, kv_heads, group, d]
+    o = sdpa(q.reshape(b, kv_heads, group, d), k, v, attn_mask=step.decode_mask, scale=scaling)  # [B, kv_heads, group, d]
     return o.reshape(b, heads, d)
 
 

@@ -45,18 +45,19 @@ class PackedInt8Linear(LinearKernel):
         panel = self.lib.int8_panel()
         self.packed = torch.empty(-(-self.out_features // panel) * panel * self.in_features, dtype=torch.int8)
         self.lib.int8_pack(q.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        # What every call passes, looked up once: a decode step makes over a hundred of these calls.
+        self._product = self.lib.int8_linear
+        self._weights = (self.in_features, self.packed.data_ptr(), self.scale.data_ptr(), self.out_features)
 
     def __call__(self, x, residual=None):
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if residual is not None:
+        y = torch.empty(rows, self.out_features)
+        if residual is not None and not residual.is_contiguous():
             residual = residual.contiguous()
-        failed = self.lib.int8_linear(x.data_ptr(), rows, self.in_features, self.packed.data_ptr(),
-                                      self.scale.data_ptr(), self.out_features,
-                                      None if residual is None else residual.data_ptr(), y.data_ptr(),
-                                      torch.get_num_threads())
-        if failed:
+        if self._product(x.data_ptr(), rows, *self._weights, None if residual is None else residual.data_ptr(),
+                         y.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"int8 product of {rows} rows: no memory for the rows' scratch")
         return y
 

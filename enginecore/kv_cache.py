@@ -54,6 +54,10 @@ class KVCache:
         # Per layer: [2, num_blocks, block_size, kv_heads, head_dim], and K and V as flat [slots, kv_heads, head_dim].
         self.layers = [self.tensor[i] for i in range(shape.num_layers)]
         self.slots = [(t[0].flatten(0, 1), t[1].flatten(0, 1)) for t in self.layers]
+        # Per layer (K's address, V's address, block_size, kv_heads), for the CPU's C kernels (taken once: a step
+        # asks for them in every layer).
+        self.layer_addresses = [(t[0].data_ptr(), t[1].data_ptr(), block_size, shape.num_kv_heads)
+                                for t in self.layers]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared block), in every layer at once."""

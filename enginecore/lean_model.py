@@ -116,6 +116,8 @@ class LeanLlama:
         # enginecore.rope_triton.rope_store where the engine found it exact here (CUDA): RoPE and the K/V cache
         # write in one kernel, for steps that attend in one varlen call.
         self.rope_store: Callable | None = None
+        # On the CPU: the small ops by our C kernels (enginecore.cpu_layer_ops), where they build.
+        self.cpu_ops = None
 
     @staticmethod
     def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:
@@ -150,8 +152,12 @@ class LeanLlama:
 
     def logits(self, h: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head on the rows `sample_rows` of `hidden`'s output."""
-        h = torch.rms_norm(h.index_select(0, sample_rows), (h.shape[1],), self.final_norm, self.eps)
-        return self.head(h)
+        return self.head(self._norm(h.index_select(0, sample_rows), self.final_norm))
+
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None:
+            return self.cpu_ops.rms_norm(h, weight, self.eps)
+        return torch.rms_norm(h, (h.shape[1],), weight, self.eps)
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, d] for the step; sin with its first half negated, so that rotate_half(x) * sin
@@ -160,17 +166,21 @@ class LeanLlama:
         cos, sin = self.rotary(h, positions[None])
         half = self.head_dim // 2
         sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        return cos[0, :, None, :], sin_signed[:, None, :]
+        return cos[0, :, None, :].contiguous(), sin_signed[:, None, :]
 
     def _layer_forward(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
         tokens = h.shape[0]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qkv = layer.qkv(torch.rms_norm(h, (h.shape[1],), layer.input_norm, self.eps))
+        qkv = layer.qkv(self._norm(h, layer.input_norm))
         step, cache = attention.current.step, attention.current.kv_cache
         if self.rope_store is not None and step is not None and step.varlen is not None and cache is not None:
             k_slots, v_slots = cache.slots[layer.layer_idx]
             q = self.rope_store(qkv, cos, sin_signed, step.slot_mapping, k_slots, v_slots, heads, kv_heads)
             out = attention.attend_stored(layer.layer_idx, q, self.scaling)
+        elif self.cpu_ops is not None and step is not None and step.varlen is None and cache is not None:
+            k_slots, v_slots = cache.slots[layer.layer_idx]
+            q = self.cpu_ops.rope_store(qkv, cos, sin_signed, step.slot_mapping, k_slots, v_slots, heads, kv_heads)
+            out = attention.attend_written(layer.layer_idx, q, self.scaling)
         else:
             qk = rope(qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d), cos, sin_signed)
             v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
@@ -179,6 +189,9 @@ class LeanLlama:
                                                qk[:, heads:].transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                scaling=self.scaling)
         h = layer.o(out.reshape(tokens, heads * d), residual=h)
-        gate_up = layer.gate_up(torch.rms_norm(h, (h.shape[1],), layer.post_norm, self.eps))
-        act = F.silu(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        gate_up = layer.gate_up(self._norm(h, layer.post_norm))
+        if self.cpu_ops is not None:
+            act = self.cpu_ops.silu_mul(gate_up)
+        else:
+            act = F.silu(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
         return layer.down(act, residual=h)

@@ -106,9 +106,10 @@ def _build_and_load(name: str) -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {exc}") from exc
+    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]  # what the source may include
     complaint = ""
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, _cpu_identity(),
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, _cpu_identity(),
                                         platform.machine()]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"{name}-{key}.so"
         if not target.exists():

@@ -158,7 +158,9 @@ def build_step_inputs(entries: list[tuple[Sequence, int]], block_size: int, devi
         max_blocks = -(-int(decode_ctx.max()) // block_size)
         tables = _block_tables([seq.block_table for seq, _ in entries[:num_decodes]], max_blocks, num_decodes, 0)
         attention.decode_blocks = _to(tables.reshape(-1), device)
-        attention.decode_mask = _to(_length_mask(_lengths(decode_ctx, num_decodes), max_blocks, block_size), device)
+        lengths = _lengths(decode_ctx, num_decodes)
+        attention.decode_lengths = _to(lengths, device)
+        attention.decode_mask = _to(_length_mask(lengths, max_blocks, block_size), device)
     return StepInputs(
         input_ids=_to(all_ids, device)[None],
         positions=_to(positions, device)[None],
@@ -285,7 +287,7 @@ def _padded_decode_inputs(entries, block_size: int, device: torch.device, paddin
                                   varlen=_varlen(runs, block_size, device))
     else:
         attention = StepAttention(slot_mapping=_to(slots, device), num_decodes=rows,
-                                  decode_blocks=_to(tables.reshape(-1), device),
+                                  decode_blocks=_to(tables.reshape(-1), device), decode_lengths=_to(lengths, device),
                                   decode_mask=_to(_length_mask(lengths, padding.blocks, block_size), device))
     return StepInputs(
         input_ids=_to(ids, device)[None],

@@ -1,0 +1,136 @@
+"""Our C kernels of the CPU's lean forward (enginecore/csrc/layer_ops.c, decode_attention.c) against the torch ops
+they stand in for, on shapes that reach every loop and tail (rows, heads per KV head, head sizes that are not
+multiples of 8 or 32, contexts that end mid-block), as built for this CPU and as plain C; and the engine's greedy
+tokens equal transformers' both with them and with torch's ops (the path of a machine without a compiler)."""
+import ctypes
+import platform
+import subprocess
+
+import pytest
+import torch
+from enginecore import attention, cpu_attention, native
+from enginecore.cpu_layer_ops import CpuLayerOps, layer_ops
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from tests.test_engine_support import greedy_request, make_engine, prompts, reference_greedy  # noqa: F401
+
+pytestmark = pytest.mark.skipif(layer_ops() is None or cpu_attention.kernel() is None,
+                                reason="our CPU kernels cannot be built here (no C compiler)")
+
+
+def plain_builds(tmp_path):
+    """Each library built for this CPU, and (on x86) built without AVX: the vector code the compiler must lower
+    another way, as on a CPU without it."""
+    yield "native", layer_ops(), cpu_attention.kernel()
+    cc = native.compiler()
+    if platform.machine() not in ("x86_64", "AMD64") or cc is None:
+        return
+    libs = {}
+    for name in ("layer_ops", "decode_attention"):
+        path = tmp_path / f"{name}.so"
+        subprocess.run([cc, "-O2", "-fopenmp", "-mno-avx", "-mno-avx2", "-mno-fma", "-shared", "-fPIC", "-o",
+                        str(path), str(native.SOURCES / f"{name}.c")], check=True, timeout=120)
+        libs[name] = ctypes.CDLL(str(path))
+    yield "plain", CpuLayerOps(libs["layer_ops"]), cpu_attention.bind(libs["decode_attention"])
+
+
+def test_rms_norm_silu_and_rope_equal_torch(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    for build, ops, _ in plain_builds(tmp_path):
+        for rows, n in [(1, 576), (3, 13), (70, 64)]:  # 70: split among threads
+            x = torch.randn(rows, 2 * n, generator=gen) * 3
+            w = torch.randn(n, generator=gen)
+            view = x[:, :n]  # rows apart: the norm reads a view
+            assert torch.allclose(ops.rms_norm(view, w, 1e-5), torch.rms_norm(view, (n,), w, 1e-5), rtol=1e-5,
+                                  atol=1e-5), build
+            expected = torch.nn.functional.silu(x[:, :n]) * x[:, n:]
+            assert torch.allclose(ops.silu_mul(x), expected, rtol=1e-5, atol=1e-5), build
+        for tokens, heads, kv_heads, d in [(1, 9, 3, 64), (5, 4, 1, 10), (70, 8, 8, 128)]:
+            check_rope_store(ops, gen, tokens, heads, kv_heads, d, build)
+
+
+def check_rope_store(ops, gen, tokens, heads, kv_heads, d, build):
+    from enginecore.lean_model import rope
+
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(tokens, d // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)  # the lean forward's table: first half negated
+    slots = torch.randperm(4 * tokens, generator=gen)[:tokens]
+    k_slots, v_slots = torch.zeros(4 * tokens, kv_heads, d), torch.zeros(4 * tokens, kv_heads, d)
+    q = ops.rope_store(qkv, cos, sin, slots, k_slots, v_slots, heads, kv_heads)
+    rotated = rope(qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d), cos[:, None], sin[:, None])
+    assert torch.allclose(q, rotated[:, :heads], rtol=1e-5, atol=1e-5), build
+    assert torch.allclose(k_slots[slots], rotated[:, heads:], rtol=1e-5, atol=1e-5), build
+    assert torch.equal(v_slots[slots], qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)), build
+    untouched = torch.ones(4 * tokens, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_slots[untouched].any() and not v_slots[untouched].any(), build
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, d, block_size, lengths", [
+    (1, 9, 3, 64, 16, [64]),
+    (1, 9, 3, 64, 16, [1]),
+    (4, 4, 4, 80, 16, [1, 17, 33, 50]),  # d: two vectors of 32 and one of 8, then nothing left
+    (3, 8, 2, 20, 5, [7, 3, 11]),  # d with a tail past the last 8; blocks of 5 (not a multiple of 4)
+    (40, 32, 8, 128, 16, list(range(1, 401, 10))),  # split among threads
+])
+def test_decode_attention_equals_sdpa_over_the_gathered_context(tmp_path, rows, heads, kv_heads, d, block_size,
+                                                                lengths):
+    gen = torch.Generator().manual_seed(rows)
+    blocks_each = -(-max(lengths) // block_size)
+    layer = torch.randn(2, rows * blocks_each + 1, block_size, kv_heads, d, generator=gen)
+    tables = torch.randperm(rows * blocks_each, generator=gen).view(rows, blocks_each)
+    q = torch.randn(rows, heads, d, generator=gen)
+    expected = torch.empty(rows, heads, d)
+    for b, length in enumerate(lengths):
+        k = layer[0][tables[b]].flatten(0, 1)[:length].transpose(0, 1)  # [kv_heads, length, d]
+        v = layer[1][tables[b]].flatten(0, 1)[:length].transpose(0, 1)
+        expected[b] = sdpa(q[b].view(kv_heads, heads // kv_heads, d), k, v, scale=0.3).reshape(heads, d)
+    kv = (layer[0].data_ptr(), layer[1].data_ptr(), block_size, kv_heads)
+    for build, _, lib in plain_builds(tmp_path):
+        got = cpu_attention.decode(q, kv, tables.reshape(-1).contiguous(), torch.tensor(lengths), 0.3, lib)
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (build, (got - expected).abs().max())
+
+
+def test_decode_attention_reads_a_query_inside_a_wider_row():
+    """The lean forward hands the rotated q of each row inside [q heads | k heads] rows: its heads contiguous,
+    the rows further apart."""
+    layer = torch.randn(2, 3, 16, 1, 8)
+    wide = torch.randn(2, 5, 8)
+    q = wide[:, :4]
+    kv = (layer[0].data_ptr(), layer[1].data_ptr(), 16, 1)
+    tables, lengths = torch.tensor([0, 1, 2, 0]), torch.tensor([20, 5])
+    apart = cpu_attention.decode(q, kv, tables, lengths, 1.0, cpu_attention.kernel())
+    assert torch.equal(apart, cpu_attention.decode(q.contiguous(), kv, tables, lengths, 1.0, cpu_attention.kernel()))
+
+
+def test_greedy_tokens_equal_transformers_with_torchs_ops_too(prompts, monkeypatch):
+    """A machine without a C compiler runs the lean forward on torch's ops: the engine's tokens stay
+    transformers'."""
+    monkeypatch.setattr(cpu_attention, "kernel", lambda: None)
+    gathers = []
+    gather = attention._gather_blocks
+    monkeypatch.setattr(attention, "_gather_blocks", lambda *a: gathers.append(1) or gather(*a))
+    engine = make_engine(enable_prefix_caching=False)
+    engine.runner.lean_model.cpu_ops = None
+    try:
+        out = engine.generate([greedy_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    finally:
+        engine.runner.lean_model.cpu_ops = layer_ops()  # the model's lean forward is shared between engines
+    for i, prompt in enumerate(prompts):
+        assert out[(f"r{i}", 0)] == reference_greedy(prompt, 12), f"prompt {i}"
+    assert gathers, "torch's decode path did not run"
+
+
+def test_the_cpu_engine_runs_our_kernels():
+    engine = make_engine()
+    assert engine.runner.lean_model.cpu_ops is layer_ops()
+    calls = []
+    decode = cpu_attention.decode
+    cpu_attention.decode = lambda *a: calls.append(a[0].shape) or decode(*a)
+    try:
+        engine.generate([greedy_request("one", [1, 2, 3, 4, 5], 3)])
+    finally:
+        cpu_attention.decode = decode
+    assert calls and all(shape[0] == 1 for shape in calls)
