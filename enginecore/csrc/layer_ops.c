@@ -13,12 +13,13 @@
 
 #include "vec8.h"
 
-#define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: a parallel region costs more */
+/* fewer floats than this run on the calling thread: a parallel region costs more than it saves (about 2 us) */
+#define PARALLEL_FLOATS 16384
 
 /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n floats (x rows `x_stride` apart, y contiguous). */
 void rms_norm(const float *x, int64_t x_stride, int64_t rows, int64_t n, const float *w, float eps, float *y,
               int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1 && rows * n >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *yr = y + r * n;
@@ -38,7 +39,7 @@ void rms_norm(const float *x, int64_t x_stride, int64_t rows, int64_t n, const f
 
 /* gate_up [rows][2 * n] (gate, then up) -> y [rows][n] = silu(gate) * up. */
 void silu_mul(const float *gate_up, int64_t rows, int64_t n, float *y, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1 && rows * n >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *yr = y + r * n;
@@ -63,7 +64,7 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
 void rope_store(const float *qkv, int64_t rows, int heads, int kv_heads, int d, const float *cos, const float *sin,
                 const int64_t *slots, float *q_out, float *k_cache, float *v_cache, int threads) {
     int64_t width = (int64_t)(heads + 2 * kv_heads) * d;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1 && rows * width >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * width, *c = cos + r * d, *s = sin + r * d;
         for (int h = 0; h < heads; h++) rotate(row + (int64_t)h * d, c, s, d, q_out + (r * heads + h) * d);
