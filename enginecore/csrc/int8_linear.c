@@ -30,6 +30,12 @@
 #define PANEL 16 /* output channels per panel: two AVX2 vectors */
 #define MR 6     /* rows per tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast fit 16 registers */
 #define KC 256   /* columns of a panel widened at a time for more than MR rows: 16 KB of floats, in L1 */
+/* How far ahead (in columns of a panel: 16 bytes each) the kernels ask for the weights they will read. The
+ * hardware's own prefetch left a one-row product of the whole model (163 MB of SmolLM2's weights and head) at
+ * 17 GB/s on a 2-core AMD EPYC Zen 2 that sums memory at 35; asked 2 KB ahead, 21 GB/s (32 to 256 columns ahead
+ * were within 5% of each other), and 8 rows 9% faster. The panels follow one another in memory, so this runs on
+ * into the next one. */
+#define AHEAD 128
 
 int int8_panel(void) { return PANEL; }
 
@@ -55,6 +61,7 @@ static inline __attribute__((always_inline)) void tile_int8(const int MT, const 
     __m256 a[MR][2];  /* a local copy, so that the compiler keeps it in registers through the loop */
     for (int i = 0; i < MT; i++) a[i][0] = acc[i][0], a[i][1] = acc[i][1];
     for (int64_t k = k0; k < k1; k++) {
+        if (k % 4 == 0) __builtin_prefetch(panel + (k + AHEAD) * PANEL);
         __m256 w0 = widen(panel + k * PANEL), w1 = widen(panel + k * PANEL + 8);
         for (int i = 0; i < MT; i++) {
             __m256 b = _mm256_broadcast_ss(x + i * K + k);
@@ -72,6 +79,7 @@ static void row_int8(const float *x, int64_t K, const int8_t *panel, __m256 acc[
     for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 4 <= K; k += 4) {
+        __builtin_prefetch(panel + (k + AHEAD) * PANEL);  /* one cache line: four columns */
         for (int u = 0; u < 4; u++) {
             __m256 b = _mm256_broadcast_ss(x + k + u);
             a[u][0] = _mm256_fmadd_ps(b, widen(panel + (k + u) * PANEL), a[u][0]);
@@ -144,6 +152,7 @@ static void panel_rows(const float *x, const float *xp, int64_t M, int64_t K, co
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t k = 0; k < kc; k++) {  /* widen and scale once for all rows */
+            if (k % 4 == 0) __builtin_prefetch(panel + (k0 + k + AHEAD) * PANEL);
             _mm256_storeu_ps(buf + k * PANEL, _mm256_mul_ps(widen(panel + (k0 + k) * PANEL), s0));
             _mm256_storeu_ps(buf + k * PANEL + 8, _mm256_mul_ps(widen(panel + (k0 + k) * PANEL + 8), s1));
         }
