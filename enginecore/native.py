@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -48,16 +49,26 @@ def _cpu_identity() -> str:
 
 
 def _cache_dir() -> Path:
-    """The cache's native/ directory, or one under the temporary directory where that cannot be written."""
+    """The cache's native/ directory, or one under the temporary directory where that cannot be used. Either must
+    be ours and writable by no one else: a library found there is loaded and run, and a name under /tmp can be
+    made first by any user (who could leave a library of their own under the name we would look for)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for where in (Path(base) / "supervise" / "native", Path(tempfile.gettempdir()) / f"supervise-native-{os.getuid()}"):
         try:
-            where.mkdir(parents=True, exist_ok=True)
-            if os.access(where, os.W_OK):
+            where.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if _only_ours(where):
                 return where
+            log.warning("not building native kernels in %s: it is not ours alone (owner or permissions)", where)
         except OSError:
             continue
-    raise NativeUnavailable(f"no writable directory to build it in ({base}/supervise/native nor the temporary one)")
+    raise NativeUnavailable(f"no directory of ours alone to build it in ({base}/supervise/native nor the "
+                            f"temporary one)")
+
+
+def _only_ours(directory: Path) -> bool:
+    """Owned by this user, writable by no one else, and not a link to somewhere else."""
+    info = os.lstat(directory)
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _build(cc: str, source: Path, flags: list[str], target: Path) -> str | None:

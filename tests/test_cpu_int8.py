@@ -126,3 +126,21 @@ def test_the_engine_uses_it_where_it_is_int8s_kernel():
     lean = engine.runner.lean_model
     assert all(isinstance(k, PackedInt8Linear) for k in lean.linears())
     assert kernels() is lean.head.lib
+
+
+def test_a_build_directory_others_can_write_to_is_not_used(tmp_path):
+    """A library found there is loaded and run: a directory someone else could write to (a name under /tmp made
+    first by another user) is passed over, and with no other the kernel is unavailable, saying why."""
+    cache, temporary = tmp_path / "cache", tmp_path / "tmp"
+    for shared in (cache / "supervise" / "native", temporary / f"supervise-native-{os.getuid()}"):
+        shared.mkdir(parents=True)
+        shared.chmod(0o777)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "TMPDIR": str(temporary)}
+    probe = "from enginecore.cpu_int8 import packed_int8_unavailable_reason as r; print(r())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("our int8 kernel cannot be built here: no directory of ours alone"), done.stdout
+    assert "not ours alone" in done.stderr
+    assert not list(cache.rglob("*.so")) and not list(temporary.rglob("*.so"))
+    (temporary / f"supervise-native-{os.getuid()}").chmod(0o700)  # ours alone again: used
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "None" and list(temporary.rglob("int8_linear-*.so")), done.stdout + done.stderr
