@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason
+from enginecore.cpu_decode_layers import CpuDecodeLayers
 from enginecore.cpu_layer_ops import layer_ops
 from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, bf16_unavailable_reason, native_bf16,
                                    onednn_int8_unavailable_reason, pick_float32_layout, time_kernels)
@@ -124,6 +125,7 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
                                 if quantization == "bf16" else None)
     cached[key].quantization = quantization
     cached[key].cpu_ops = layer_ops()
+    cached[key].cpu_decode_layers = CpuDecodeLayers.for_model(cached[key]) if cached[key].cpu_ops else None
     log.info("CPU: lean Llama forward, products %s%s", described, f"; --quantization auto chose {quantization}: {why}"
              if why else "")
     return cached[key]

@@ -116,8 +116,10 @@ class LeanLlama:
         # enginecore.rope_triton.rope_store where the engine found it exact here (CUDA): RoPE and the K/V cache
         # write in one kernel, for steps that attend in one varlen call.
         self.rope_store: Callable | None = None
-        # On the CPU: the small ops by our C kernels (enginecore.cpu_layer_ops), where they build.
+        # On the CPU: the small ops by our C kernels (enginecore.cpu_layer_ops), where they build; and a decode
+        # step's layers in one C call where the products are all our int8 kernel's (enginecore.cpu_decode_layers).
         self.cpu_ops = None
+        self.cpu_decode_layers = None
 
     @staticmethod
     def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:
@@ -146,6 +148,9 @@ class LeanLlama:
         head so that a CUDA graph can hold the layers of a step whose sampled rows vary (enginecore.cuda_graphs)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin_signed = self._rope_tables(h, positions)
+        step, cache = attention.current.step, attention.current.kv_cache
+        if self.cpu_decode_layers is not None and self.cpu_decode_layers.applies(step, cache, h.shape[0]):
+            return self.cpu_decode_layers(h, cos, sin_signed, step, cache)
         for layer in self.layers:
             h = self._layer_forward(layer, h, cos, sin_signed)
         return h

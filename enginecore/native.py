@@ -117,7 +117,8 @@ def _build_and_load(name: str) -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {exc}") from exc
-    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]  # what the source may include
+    # what the source may include: a header, or another kernel's source (decode_layers.c includes three)
+    headers = [f.read_text() for f in sorted(SOURCES.iterdir()) if f != source and f.suffix in (".c", ".h")]
     complaint = ""
     for flags in FLAG_SETS:
         key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, *flags, _cpu_identity(),

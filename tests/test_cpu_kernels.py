@@ -134,3 +134,35 @@ def test_the_cpu_engine_runs_our_kernels():
     finally:
         cpu_attention.decode = decode
     assert calls and all(shape[0] == 1 for shape in calls)
+
+
+def test_a_decode_step_in_one_call_gives_the_layer_by_layer_logits_bit_for_bit(prompts, monkeypatch):
+    """csrc/decode_layers.c runs the same kernels in the same order as the lean forward's layers: every step's
+    logits are equal, not just close."""
+    from enginecore.cpu_decode_layers import CpuDecodeLayers
+
+    engine = make_engine(quantization="int8", enable_prefix_caching=False, max_num_seqs=4)
+    lean = engine.runner.lean_model
+    fused = lean.cpu_decode_layers
+    if fused is None:
+        pytest.skip("int8's products are not our kernel's here (oneDNN's W8A8 timed faster)")
+    calls = []
+    call = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__", lambda *a: calls.append(a[1].shape[0]) or call(*a))
+    forward = engine.runner.forward
+    logits: list[torch.Tensor] = []
+    monkeypatch.setattr(engine.runner, "forward", lambda inputs: logits.append(forward(inputs).clone()) or logits[-1])
+    runs = []
+    try:
+        for one_call in (True, False):
+            lean.cpu_decode_layers = fused if one_call else None
+            logits.clear()
+            out = engine.generate([greedy_request(f"r{i}", p, 10) for i, p in enumerate(prompts[:6])])
+            runs.append((out, list(logits)))
+    finally:
+        lean.cpu_decode_layers = fused
+    (out_one, logits_one), (out_layers, logits_layers) = runs
+    assert out_one == out_layers
+    assert len(logits_one) == len(logits_layers) > 10
+    assert all(torch.equal(a, b) for a, b in zip(logits_one, logits_layers))
+    assert len(calls) > 5 and max(calls) == 4  # the first run's decode steps, up to 4 rows, went through it
