@@ -16,8 +16,10 @@ async def request_body(request) -> bytes:
     reads bodies as they are, and a gzipped JSON body was a 400 "not valid JSON at column 1" that sent the client
     looking at its JSON. Read first, so the connection stays usable after the answer."""
     body = await request.body()
-    encoding = request.headers.get("content-encoding")
-    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+    # Every coding of every Content-Encoding line (a list may be split over several lines, RFC 9110 5.3).
+    codings = [c.strip().lower() for line in request.headers.getlist("content-encoding") for c in line.split(",")]
+    if any(c not in ("", "identity") for c in codings):
+        encoding = ", ".join(request.headers.getlist("content-encoding"))
         raise ApiError(f"The request body comes with Content-Encoding `{encoding[:40]}`; this server reads only "
                        f"uncompressed bodies: send it without compression.", code="unsupported_content_encoding",
                        status=415, headers={"Accept-Encoding": "identity"})  # RFC 7694's answer

@@ -292,7 +292,12 @@ def test_a_compressed_body_is_a_415_and_an_uncompressed_one_passes(http, path, b
         error = assert_error(response, 415, None)
         assert error["code"] == "unsupported_content_encoding" and "Content-Encoding" in error["message"]
         assert response.headers["accept-encoding"] == "identity"
-    for encoding in ("identity", "IDENTITY", ""):
+    for encoding in ("identity", "IDENTITY", "", "identity, identity"):
         response = http.post(path, content=raw, headers={"content-type": "application/json",
                                                          "content-encoding": encoding})
         assert response.status_code == 200, response.text
+    # A list split over two lines: the second line's gzip counts as much as the first line's identity.
+    response = http.post(path, content=gzip.compress(raw), headers=[("content-type", "application/json"),
+                                                                   ("content-encoding", "identity"),
+                                                                   ("content-encoding", "gzip")])
+    assert assert_error(response, 415, None)["code"] == "unsupported_content_encoding"
