@@ -80,7 +80,7 @@ def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
     if int8_kernels():
         candidates["int8"] = INT8_KERNELS[int8_kernel(model)["kernel"]][0]
     if len(candidates) == 1:
-        return "none", "no native bfloat16 and no int8 kernel here"
+        return "none", f"no native bfloat16 and no int8 kernel here ({int8_unavailable_reason()})"
     times = time_kernels(candidates, product_shapes(model), batch_sizes=(1, 8))
     why = "the model's products at batch 1 and 8 took " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
     for mode in ("bf16", "int8"):  # the more accurate first

@@ -166,3 +166,28 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_logits_bit_for_bit(p
     assert len(logits_one) == len(logits_layers) > 10
     assert all(torch.equal(a, b) for a, b in zip(logits_one, logits_layers))
     assert len(calls) > 5 and max(calls) == 4  # the first run's decode steps, up to 4 rows, went through it
+
+
+def test_a_machine_without_a_compiler_serves_on_torchs_ops(tmp_path):
+    """No C compiler: the group starts and answers, each kernel left out with one line in the log saying why."""
+    import os
+    import shutil
+
+    from openai import OpenAI
+
+    from tests.supervise_process import Supervise
+
+    cache = tmp_path / "cache"
+    shutil.copytree(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supervise"),
+                    cache / "supervise", ignore=shutil.ignore_patterns("native"))
+    env = {"XDG_CACHE_HOME": str(cache), "CC": shutil.which("false") or "/bin/false"}
+    with Supervise(env=env) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused")
+        answer = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in answer.choices[0].message.content
+        log = server.log()
+    assert "could not build int8_linear.c" in log and "could not build layer_ops.c" in log
+    assert "decode attention by torch" in log
+    assert "Traceback" not in log
+    assert not (cache / "supervise" / "native").exists() or not list((cache / "supervise" / "native").glob("*.so"))
