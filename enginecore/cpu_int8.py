@@ -4,9 +4,9 @@ compiler.
 The weights are those of `--quantization int8` (one scale per output channel, the largest |w| of the row maps
 to 127); the activations stay float32, so nothing is rounded but the weights. The kernel reads a quarter of
 float32's weight bytes and widens each weight in registers: on a 2-core AMD EPYC (Zen 2, AVX2, no VNNI), where
-oneDNN's int8 products come out wrong and torch's int8 weight-only kernel is 10-30x slower than float32, a
-SmolLM2 layer's products and its LM head took 1.1 ms at one row against 5.0 for oneDNN's float32, 4.9 against
-8.1 at 8 rows, 13.2 against 17.9 at 32, and about the same at 256 (bench/cpu_layout.py).
+oneDNN's int8 products come out wrong and torch's int8 weight-only kernel is 10-30x slower than float32, the whole
+SmolLM2-135M's products from memory took 8.0 / 27.5 / 68.5 ms at 1 / 8 / 32 rows against oneDNN float32's
+31.1 / 47.7 / 84.4 (bench/cpu_layout.py, 2026-12-07).
 """
 from __future__ import annotations
 
