@@ -67,7 +67,7 @@ class CpuDecodeLayers:
         return h
 
     def _table(self, cache) -> torch.Tensor:
-        """[layers, 16] int64: each layer's norms, products (packed weights, scales, outputs) and K/V cache, in
+        """[layers, 12] int64: each layer's norms, products (packed weights, outputs) and K/V cache, in
         csrc/decode_layers.c's order."""
         key = cache.tensor.data_ptr()
         if key not in self._tables:
@@ -76,10 +76,10 @@ class CpuDecodeLayers:
                 k_cache, v_cache, _, _ = cache.layer_addresses[layer.layer_idx]
                 row = [layer.input_norm.data_ptr()]
                 for kernel in (layer.qkv, layer.o):
-                    row += [kernel.packed.data_ptr(), kernel.scale.data_ptr(), kernel.out_features]
+                    row += [kernel.packed.data_ptr(), kernel.out_features]
                 row += [layer.post_norm.data_ptr()]
                 for kernel in (layer.gate_up, layer.down):
-                    row += [kernel.packed.data_ptr(), kernel.scale.data_ptr(), kernel.out_features]
+                    row += [kernel.packed.data_ptr(), kernel.out_features]
                 rows.append(row + [k_cache, v_cache])
             self._tables = {key: torch.tensor(rows, dtype=torch.int64)}  # one cache per engine: keep the latest
         return self._tables[key]

@@ -1,12 +1,15 @@
-"""int8 weights times float32 activations (W8A32), by our own C kernel (csrc/int8_linear.c), on any CPU with a C
+"""8-bit weights times float32 activations (W8A32), by our own C kernel (csrc/int8_linear.c), on any CPU with a C
 compiler.
 
-The weights are those of `--quantization int8` (one scale per output channel, the largest |w| of the row maps
-to 127); the activations stay float32, so nothing is rounded but the weights. The kernel reads a quarter of
-float32's weight bytes and widens each weight in registers: on a 2-core AMD EPYC (Zen 2, AVX2, no VNNI), where
+The weights are stored as 8-bit codes per block of 32 columns of each output channel, with the block's scale and
+offset (w = scale * code + offset, the block's least and largest weight at codes 0 and 255): a model converted
+from a GGUF (Q4_1, Q5_1, Q8_0 blocks of 32) keeps its weights exactly, up to float rounding, and any other loses
+far less than with one scale per channel (on bench/quantization.py's prompts float32's greedy token at 100% of the
+positions, against 96.9% per channel). The activations stay float32. The kernel reads a little over a quarter of
+float32's weight bytes and widens each code in registers: on a 2-core AMD EPYC (Zen 2, AVX2, no VNNI), where
 oneDNN's int8 products come out wrong and torch's int8 weight-only kernel is 10-30x slower than float32, the whole
 SmolLM2-135M's products from memory took 8.0 / 27.5 / 68.5 ms at 1 / 8 / 32 rows against oneDNN float32's
-31.1 / 47.7 / 84.4 (bench/cpu_layout.py, 2026-12-07).
+31.1 / 47.7 / 84.4 (bench/cpu_layout.py, 2026-12-07, with one scale per channel then).
 """
 from __future__ import annotations
 
@@ -15,18 +18,22 @@ import functools
 
 import torch
 
-from enginecore.cpu_linear import LinearKernel, int8_dequantized, per_channel_int8
+from enginecore.cpu_linear import LinearKernel
 from enginecore.native import NativeUnavailable, library
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+BLOCK = 32  # columns per block of codes: csrc/int8_linear.c's BK
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's functions (ctypes would otherwise pass 64-bit sizes and pointers as C ints)."""
-    lib.int8_panel.argtypes, lib.int8_panel.restype = [], ctypes.c_int
-    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _I, _I, _P], None
-    lib.int8_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, ctypes.c_int]
+    lib.int8_block.argtypes, lib.int8_block.restype = [], ctypes.c_int
+    lib.int8_packed_bytes.argtypes, lib.int8_packed_bytes.restype = [_I, _I], ctypes.c_int64
+    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P], None
+    lib.int8_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
+    if lib.int8_block() != BLOCK:
+        raise NativeUnavailable(f"the built kernel's blocks are of {lib.int8_block()} columns, not {BLOCK}")
     return lib
 
 
@@ -35,19 +42,67 @@ def kernels() -> ctypes.CDLL:
     return bind(library("int8_linear"))
 
 
+def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (codes uint8 [out, in], scale and offset float32 [out, blocks]): W ~= scale * code + offset
+    per block of BLOCK columns, offset the block's least weight.
+
+    A GGUF's blocks are 32 columns on a grid: Q4_1's 16 values from its minimum (a step of its range / 15), Q5_1's
+    32 (range / 31), Q8_0's d x (-127 .. 127) (the largest |w| / 127), Q4_0's and Q5_0's d x (-8 .. 7) and
+    (-16 .. 15). A block that lies on one of those grids (within 1% of a step) takes the grid's codes and its step,
+    fitted to all of the block's weights: its weights come back as they were, up to float rounding. Any other block
+    has its range cut in 255 equal steps."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    blocks = -(-cols // BLOCK)
+    pad = blocks * BLOCK - cols
+    # the padding columns take no part in a block's range: +inf for its least, -inf for its largest
+    least = torch.nn.functional.pad(w, (0, pad), value=float("inf")).view(rows, blocks, BLOCK).amin(-1)
+    largest = torch.nn.functional.pad(w, (0, pad), value=float("-inf")).view(rows, blocks, BLOCK).amax(-1)
+    above = torch.nn.functional.pad(w, (0, pad)).view(rows, blocks, BLOCK) - least[..., None]
+    if pad:
+        above[:, -1, BLOCK - pad:] = 0  # the padding: at the least, code 0
+    span = largest - least
+    most = torch.maximum(least.abs(), largest.abs())
+    scale = span / 255.0
+    on_grid = torch.zeros_like(span, dtype=torch.bool)
+    pending = span > 0  # a block of one value keeps scale 0: every code 0
+    for step in (span / 15, span / 31, most / 127, most / 8, most / 16):
+        if not pending.any():
+            break
+        steps = above / step[..., None]
+        fits = pending & (steps.amax(-1) < 255.5)
+        fits &= steps.sub_(steps.round()).abs_().amax(-1) < 0.01  # every weight within 1% of a step of the grid
+        scale = torch.where(fits, step, scale)
+        on_grid |= fits
+        pending &= ~fits
+    codes = torch.round(above / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]).clamp_(0, 255)
+    # For a block on a grid, the step fitted to all of its codes (least squares): one weight's rounding does not
+    # set it.
+    fitted = (codes * above).sum(-1) / (codes * codes).sum(-1).clamp_min(1)
+    scale = torch.where(on_grid, fitted, scale)
+    return codes.view(rows, -1)[:, :cols].to(torch.uint8).contiguous(), scale.contiguous(), least.contiguous()
+
+
+def block_dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight that PackedInt8Linear multiplies by, for `weight`."""
+    codes, scale, offset = block_codes(weight)
+    cols = weight.shape[1]
+    return codes.float() * scale.repeat_interleave(BLOCK, dim=1)[:, :cols] + offset.repeat_interleave(BLOCK, dim=1)[:, :cols]
+
+
 class PackedInt8Linear(LinearKernel):
-    """W [out, in] as int8 per output channel, packed into the kernel's panels once; x [rows, in] float32."""
+    """W [out, in] as 8-bit codes per block, packed into the kernel's panels once; x [rows, in] float32."""
 
     def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL | None = None):
         self.lib = lib or kernels()
         self.out_features, self.in_features = weight.shape
-        q, self.scale = per_channel_int8(weight)
-        panel = self.lib.int8_panel()
-        self.packed = torch.empty(-(-self.out_features // panel) * panel * self.in_features, dtype=torch.int8)
-        self.lib.int8_pack(q.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        codes, scale, offset = block_codes(weight)
+        self.packed = torch.empty(self.lib.int8_packed_bytes(self.out_features, self.in_features), dtype=torch.uint8)
+        self.lib.int8_pack(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), self.out_features,
+                           self.in_features, self.packed.data_ptr())
         # What every call passes, looked up once: a decode step makes over a hundred of these calls.
         self._product = self.lib.int8_linear
-        self._weights = (self.in_features, self.packed.data_ptr(), self.scale.data_ptr(), self.out_features)
+        self._weights = (self.in_features, self.packed.data_ptr(), self.out_features)
 
     def __call__(self, x, residual=None):
         if not x.is_contiguous():
@@ -71,7 +126,7 @@ def packed_int8_unavailable_reason() -> str | None:
         return f"our int8 kernel cannot be built here: {exc}"
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 24, generator=gen), torch.randn(9, 24, generator=gen)
-    exact = x @ int8_dequantized(w).T
+    exact = x @ block_dequantized(w).T
     for rows in (1, 9):  # both of its paths
         got = PackedInt8Linear(w)(x[:rows])
         if not torch.allclose(got, exact[:rows], rtol=1e-4, atol=1e-4):

@@ -82,12 +82,6 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
 
 
-def int8_dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """The float32 weight that the int8 kernels multiply by, for `weight`."""
-    q, scale = per_channel_int8(weight)
-    return q.float() * scale[:, None]
-
-
 class Int8Linear(LinearKernel):
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape

@@ -4,15 +4,16 @@ kernels and layout (by measurement on this CPU), and whether the lean Llama forw
 `--quantization` (vLLM's flag) on the CPU, the activations and everything but the matrix products in float32:
 - `none`: float32 weights (in the layout measured faster here);
 - `bf16`: bfloat16 weights and product inputs (enginecore.cpu_linear.Bf16Linear), the LM head in float32;
-- `int8`: int8 weights per output channel, by one of two kernels, timed at start-up on the model's products: our
-  own W8A32 (enginecore.cpu_int8, float32 activations; any CPU with a C compiler), or oneDNN's W8A8 (Int8Linear,
-  activations quantized per token; right only where the CPU has VNNI) where that takes under 0.7 of our time;
+- `int8`: 8-bit weights by one of two kernels, timed at start-up on the model's products: our own W8A32
+  (enginecore.cpu_int8: codes per block of 32 columns with a scale and an offset, which hold a GGUF's weights
+  exactly; float32 activations; any CPU with a C compiler), or oneDNN's W8A8 (Int8Linear: one scale per output
+  channel, activations quantized per token; right only where the CPU has VNNI) where that takes under 0.7 of our
+  time;
 - `auto`, the default: for a model loaded from a GGUF (the embedded model is one: its weights are 4-bit
-  quantized already), the fastest mode that keeps float32's greedy tokens, chosen at start-up: bf16 where the
-  CPU multiplies bfloat16 natively and that beats float32 on the model's products, else int8 where that beats
-  float32, else none. bf16 comes first because it keeps float32's quality far better (tests/test_quantization.py
-  bounds both; README gives the figures). For any other model, and on CUDA, auto is none: its user asked
-  for those weights.
+  quantized already), the most accurate mode that beats float32 on the model's products at start-up (choose_auto):
+  int8 by our kernel, which keeps such a model's weights exactly; else bf16 where the CPU multiplies bfloat16
+  natively; else oneDNN's int8; else none (tests/test_quantization.py bounds each against float32; README gives
+  the figures). For any other model, and on CUDA, auto is none: its user asked for those weights.
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def int8_unavailable_reason() -> str | None:
 
 
 def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
-    """(mode, why) for --quantization auto: bf16 where native and faster than float32, else int8 where faster."""
+    """(mode, why) for --quantization auto (a GGUF model): the most accurate mode that beats float32's products by
+    10% here. Our int8 kernel first: its blocks hold a GGUF's weights exactly (bench/quantization.py: float32's
+    greedy tokens at 100% of the positions); then bf16 (99.6%); then oneDNN's W8A8 (90.2%)."""
     candidates = {"none": FLOAT32_KERNELS[layout["kernel"]]}
     if native_bf16():
         candidates["bf16"] = Bf16Linear
@@ -83,7 +86,8 @@ def choose_auto(model: torch.nn.Module, layout: dict) -> tuple[str, str]:
         return "none", f"no native bfloat16 and no int8 kernel here ({int8_unavailable_reason()})"
     times = time_kernels(candidates, product_shapes(model), batch_sizes=(1, 8))
     why = "the model's products at batch 1 and 8 took " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
-    for mode in ("bf16", "int8"):  # the more accurate first
+    exact_int8 = candidates.get("int8") is PackedInt8Linear
+    for mode in ("int8", "bf16") if exact_int8 else ("bf16", "int8"):  # the more accurate first
         if mode in times and times[mode] < 0.9 * times["none"]:
             return mode, why
     return "none", why
@@ -176,7 +180,7 @@ def int8_kernel(model: torch.nn.Module) -> dict:
         else:
             t = time_kernels(kinds, product_shapes(model))
             # Ours unless oneDNN's is clearly faster: its activations are quantized too, and it keeps float32's
-            # greedy tokens less well (90.2% against 96.9% on bench/quantization.py's prompts).
+            # greedy tokens less well (90.2% against 100% on bench/quantization.py's prompts).
             fast = "W8A8 (oneDNN)" if t["W8A8 (oneDNN)"] < ONEDNN_INT8_MARGIN * t["W8A32 (ours)"] else "W8A32 (ours)"
             _int8[model] = {"kernel": fast, "why": "timed at start-up: " + ", ".join(
                 f"{name} {seconds * 1e3:.2f} ms" for name, seconds in t.items())}

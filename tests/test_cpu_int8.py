@@ -1,7 +1,8 @@
 """Our int8 kernel (enginecore/csrc/int8_linear.c through enginecore.cpu_int8): every product equals float32's
-with the same int8 weights, on every path of the kernel (one row, a tile of rows, more rows than a tile, columns
-past a chunk, channels past a panel), as built for this CPU and as plain C; bit for bit whatever the thread
-count; and without a compiler it says why, and the engine falls back or refuses in one line."""
+with the same 8-bit weights, on every path of the kernel (one row, a few rows widened in registers, tiles over a
+widened panel, columns past a chunk or a block, channels past a panel), as built for this CPU and as plain C; a
+GGUF-shaped weight (16 values a block) is kept exactly; bit for bit whatever the thread count; and without a
+compiler it says why, and the engine falls back or refuses in one line."""
 import ctypes
 import os
 import platform
@@ -12,17 +13,18 @@ import sys
 import pytest
 import torch
 from enginecore import native
-from enginecore.cpu_int8 import PackedInt8Linear, bind, kernels, packed_int8_unavailable_reason
-from enginecore.cpu_linear import int8_dequantized, onednn_int8_unavailable_reason
+from enginecore.cpu_int8 import (BLOCK, PackedInt8Linear, bind, block_codes, block_dequantized, kernels,
+                                 packed_int8_unavailable_reason)
+from enginecore.cpu_linear import onednn_int8_unavailable_reason
 
 from tests.supervise_process import SUPERVISE
 
 pytestmark = pytest.mark.skipif(packed_int8_unavailable_reason() is not None,
                                 reason=f"our int8 kernel does not run here: {packed_int8_unavailable_reason()}")
 
-# rows: 1 (its own loop), 2-6 (one tile, widened in registers), 7+ (tiles over a widened panel);
-# columns past 256 (the widened chunk); channels that do not fill a panel of 16.
-SHAPES = [(rows, fan_in, fan_out) for rows in (1, 2, 5, 6, 7, 8, 13, 33) for fan_in, fan_out in
+# rows: 1 (its own loop), 2-3 (widened in registers), 4+ (tiles of 6 over a widened panel, the last shorter);
+# columns past 256 (the widened chunk) and blocks of 32 cut short; channels that do not fill a panel of 16.
+SHAPES = [(rows, fan_in, fan_out) for rows in (1, 2, 3, 4, 6, 7, 13, 33) for fan_in, fan_out in
           ((8, 16), (3, 1), (577, 17), (256, 40), (300, 96))] + [(70, 1536, 33)]
 
 
@@ -30,7 +32,7 @@ def product_error(kernel: PackedInt8Linear, weight: torch.Tensor, rows: int, res
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, weight.shape[1], generator=gen)
     r = torch.randn(rows, weight.shape[0], generator=gen) if residual else None
-    exact = x.double() @ int8_dequantized(weight).double().T + (r.double() if residual else 0)
+    exact = x.double() @ block_dequantized(weight).double().T + (r.double() if residual else 0)
     got = kernel(x, residual=r)
     assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32
     return ((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
@@ -42,6 +44,34 @@ def test_every_product_equals_float32_with_the_same_int8_weights(rows, fan_in, f
     kernel = PackedInt8Linear(weight)
     for residual in (False, True):
         assert product_error(kernel, weight, rows, residual) < 1e-5
+
+
+def test_a_weight_of_gguf_blocks_is_kept_exactly():
+    """A weight converted from a GGUF's Q4_1 (16 values, scale * q + min, in each block of 32 columns) or Q8_0 comes
+    back as it was, up to float rounding; the product then equals float32's with the weight itself."""
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 48, 4 * BLOCK  # whole blocks, as a GGUF's rows are
+    blocks = -(-cols // BLOCK)
+    scale = (torch.rand(rows, blocks, generator=gen) * 0.01).repeat_interleave(BLOCK, dim=1)[:, :cols]
+    least = (torch.randn(rows, blocks, generator=gen) * 0.05).repeat_interleave(BLOCK, dim=1)[:, :cols]
+    # As llama.cpp quantizes: Q4_1's minimum at code 0 and its maximum at 15 in every block; Q8_0's largest |w| at
+    # +-127 (scale * q, symmetric).
+    q4_1 = torch.randint(0, 16, (rows, cols), generator=gen).float()
+    q4_1[:, ::BLOCK], q4_1[:, 1::BLOCK] = 0, 15
+    q8_0 = (torch.randn(rows, cols, generator=gen) * 40).round().clamp(-127, 127)
+    q8_0[:, ::BLOCK] = -127
+    for codes, offset in ((q4_1, least), (q8_0, 0)):
+        weight = codes * scale + offset
+        weight[:, :BLOCK] = 0.25  # a block of one value
+        assert torch.allclose(block_dequantized(weight), weight, rtol=0, atol=1e-6 * weight.abs().max().item())
+        x = torch.randn(5, cols, generator=gen)
+        for n in (1, 3, 5):
+            assert torch.allclose(PackedInt8Linear(weight)(x[:n]), x[:n] @ weight.T, rtol=1e-5, atol=1e-5)
+    codes, _, _ = block_codes(weight)
+    assert codes.dtype == torch.uint8 and int(codes[:, BLOCK:].min()) == 0 and int(codes[:, :BLOCK].max()) == 0
+    arbitrary = torch.randn(rows, cols, generator=gen)  # on no grid: its range in 255 steps
+    error = (block_dequantized(arbitrary) - arbitrary).abs().view(rows, -1)
+    assert 0 < error.max() <= 0.51 * (arbitrary.max() - arbitrary.min()) / 255
 
 
 def test_the_result_is_the_same_bit_for_bit_on_one_thread_and_on_all():
@@ -63,7 +93,7 @@ def test_the_result_is_the_same_bit_for_bit_on_one_thread_and_on_all():
 def test_a_non_contiguous_input_is_multiplied_as_its_values():
     weight = torch.randn(48, 64) * 0.05
     x = torch.randn(64, 9).T  # [9, 64], not contiguous
-    assert torch.allclose(PackedInt8Linear(weight)(x), x @ int8_dequantized(weight).T, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(PackedInt8Linear(weight)(x), x @ block_dequantized(weight).T, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="plain C is what other CPUs build anyway")

@@ -12,10 +12,7 @@
 #include "layer_ops.c"
 
 /* One layer's weights and cache, as the addresses and sizes of `table`'s row (int64 each, in this order). */
-enum {
-    INPUT_NORM, QKV, QKV_SCALE, QKV_OUT, O, O_SCALE, O_OUT, POST_NORM, GATE_UP, GATE_UP_SCALE, GATE_UP_OUT, DOWN,
-    DOWN_SCALE, DOWN_OUT, K_CACHE, V_CACHE, LAYER_FIELDS
-};
+enum { INPUT_NORM, QKV, QKV_OUT, O, O_OUT, POST_NORM, GATE_UP, GATE_UP_OUT, DOWN, DOWN_OUT, K_CACHE, V_CACHE, LAYER_FIELDS };
 
 #define AT(type, field) ((type)(intptr_t)row[field])
 
@@ -37,20 +34,17 @@ int decode_layers(float *h, int64_t rows, const int64_t *table, int layers, int 
     for (int l = 0; l < layers && !failed; l++) {
         const int64_t *row = table + (int64_t)l * LAYER_FIELDS;
         rms_norm(h, hidden, rows, hidden, AT(const float *, INPUT_NORM), eps, x, threads);
-        failed |= int8_linear(x, rows, hidden, AT(const int8_t *, QKV), AT(const float *, QKV_SCALE), row[QKV_OUT],
-                              0, qkv, threads);
+        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, QKV), row[QKV_OUT], 0, qkv, threads);
         rope_store(qkv, rows, heads, kv_heads, d, cos, sin, slots, q, AT(float *, K_CACHE), AT(float *, V_CACHE),
                    threads);
         failed |= decode_attention(q, attn_width, AT(const float *, K_CACHE), AT(const float *, V_CACHE), tables,
                                    max_blocks, lengths, rows, heads, kv_heads, d, block_size, scale, attn, threads);
-        failed |= int8_linear(attn, rows, attn_width, AT(const int8_t *, O), AT(const float *, O_SCALE), row[O_OUT],
-                              h, h, threads);  /* h += o(attn): each element's residual is read before it is written */
+        /* h += o(attn): each element's residual is read before it is written */
+        failed |= int8_linear(attn, rows, attn_width, AT(const uint8_t *, O), row[O_OUT], h, h, threads);
         rms_norm(h, hidden, rows, hidden, AT(const float *, POST_NORM), eps, x, threads);
-        failed |= int8_linear(x, rows, hidden, AT(const int8_t *, GATE_UP), AT(const float *, GATE_UP_SCALE),
-                              row[GATE_UP_OUT], 0, gate_up, threads);
+        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, GATE_UP), row[GATE_UP_OUT], 0, gate_up, threads);
         silu_mul(gate_up, rows, intermediate, act, threads);
-        failed |= int8_linear(act, rows, intermediate, AT(const int8_t *, DOWN), AT(const float *, DOWN_SCALE),
-                              row[DOWN_OUT], h, h, threads);
+        failed |= int8_linear(act, rows, intermediate, AT(const uint8_t *, DOWN), row[DOWN_OUT], h, h, threads);
     }
     free(x);
     free(qkv);

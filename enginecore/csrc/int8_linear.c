@@ -1,18 +1,26 @@
-/* y[m, n] = s[n] * sum_k x[m, k] * q[n, k]  (+ r[m, n]): float32 activations times int8 weights with one scale
- * per output channel (W8A32), for the CPU's decode steps.
+/* y[m, n] = sum_k x[m, k] * w[n, k]  (+ r[m, n]), the weights stored as 8-bit codes: w[n, k] = d * q[n, k] + o for
+ * each output channel's block of BK columns, with its own scale d and offset o (floats). Float32 activations
+ * (W8A32), for the CPU's decode steps.
  *
  * Why our own: a decode step multiplies a few rows by every weight of the model once, so it is bound by the
- * bytes of weights it reads. int8 weights are a quarter of float32's, but the library kernels that take them
- * either need VNNI for the activations' int8 side (oneDNN's AVX2 path sums pairs of products in 16 bits and
- * saturates) or are 10-30x slower than float32 (torch's _weight_int8pack_mm). Here no activation is quantized:
- * each weight is widened to float in registers and multiplied into every row of the tile.
+ * bytes of weights it reads. 8-bit weights are a quarter of float32's (plus a scale and an offset per 32), but
+ * the library kernels that take them either need VNNI for the activations' int8 side (oneDNN's AVX2 path sums
+ * pairs of products in 16 bits and saturates) or are 10-30x slower than float32 (torch's _weight_int8pack_mm).
+ * Here no activation is quantized: each weight is widened to float in registers and multiplied into every row.
  *
- * The weights are packed once (int8_pack) into panels of PANEL output channels: panel p holds, for k = 0..K-1,
- * the PANEL weights of channels p*PANEL.. at column k, so a panel is one contiguous run of K*PANEL bytes that the
- * kernel streams from memory in order. Each step of k broadcasts one activation per row and adds it times the
- * PANEL weights (two 8-float vectors) into that row's accumulators, the outer-product form of the BLAS kernels.
- * - M <= MR rows: one tile of rows; each weight is widened once, in registers, as it streams past.
- * - more rows: the panel is widened (and scaled) KC columns at a time into a small float buffer that stays in
+ * Why blocks of 32 with an offset, not one scale per channel: a GGUF's Q4_1, Q5_1 and Q8_0 blocks are 32 columns
+ * with a scale (and, but for Q8_0, a minimum), so the weights of a model converted from one (the embedded model
+ * is) take at most 256 evenly spaced values in each block: these codes hold them exactly, up to float rounding.
+ * One symmetric scale per channel kept float32's greedy token at 96.9% of the positions of bench/quantization.py's
+ * prompts; these, at 100%.
+ *
+ * The weights are packed once (int8_pack) into panels of PANEL output channels, a panel one contiguous run that
+ * the kernel streams from memory in order: block after block, each its PANEL scales, PANEL offsets, then BK
+ * columns of PANEL codes. Each step of k broadcasts one activation per row and adds it times the PANEL weights
+ * (two 8-float vectors) into that row's accumulators, the outer-product form of the BLAS kernels.
+ * - M <= MR_REG rows: the codes are widened in registers as the panel streams past, summed per block, and the
+ *   block's scale and offset applied to the sums (the offset times the sum of the block's activations).
+ * - more rows: the panel is widened to its weights KC columns at a time into a small float buffer that stays in
  *   the L1 cache, and every tile of MR rows runs over it.
  *
  * AVX2 + FMA intrinsics where the compiler targets them (-march=native on an x86 CPU of the last decade); plain
@@ -28,72 +36,123 @@
 #endif
 
 #define PANEL 16 /* output channels per panel: two AVX2 vectors */
-#define MR 6     /* rows per tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast fit 16 registers */
-#define KC 256   /* columns of a panel widened at a time for more than MR rows: 16 KB of floats, in L1 */
-/* How far ahead (in columns of a panel: 16 bytes each) the kernels ask for the weights they will read. The
- * hardware's own prefetch left a one-row product of the whole model (163 MB of SmolLM2's weights and head) at
- * 17 GB/s on a 2-core AMD EPYC Zen 2 that sums memory at 35; asked 2 KB ahead, 21 GB/s (32 to 256 columns ahead
- * were within 5% of each other), and 8 rows 9% faster. The panels follow one another in memory, so this runs on
- * into the next one. */
-#define AHEAD 128
+#define BK 32    /* columns per block of codes with one scale and offset (a GGUF block) */
+#define BLOCK_BYTES (2 * PANEL * (int64_t)sizeof(float) + BK * PANEL) /* scales, offsets, codes: 640 */
+#define MR 6     /* rows per tile over a widened panel: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
+#define MR_REG 3 /* rows widened in registers: 3 x 2 block sums + 3 x 2 totals + 2 weights + 1 broadcast */
+#define KC 256   /* columns of a panel widened at a time for more rows: 16 KB of floats, in L1; a multiple of BK */
+/* How far ahead (bytes of the panel) the kernels ask for the weights they will read. The hardware's own
+ * prefetch left a one-row product of the whole model (SmolLM2's weights and head) at 17 GB/s on a 2-core AMD EPYC
+ * Zen 2 that sums memory at 35; asked 2 KB ahead, 21 GB/s (0.5 to 4 KB ahead were within 5% of each other), and 8
+ * rows 9% faster. The panels follow one another in memory, so this runs on into the next one. */
+#define AHEAD 2048
 
 int int8_panel(void) { return PANEL; }
 
-/* q [N, K] row-major -> packed [ceil(N / PANEL), K, PANEL], channels past N zero. */
-void int8_pack(const int8_t *q, int64_t N, int64_t K, int8_t *packed) {
-    int64_t panels = (N + PANEL - 1) / PANEL;
-    memset(packed, 0, (size_t)(panels * K * PANEL));
+int int8_block(void) { return BK; }
+
+/* Bytes of the packed weights of N channels of K columns. */
+int64_t int8_packed_bytes(int64_t N, int64_t K) {
+    return (N + PANEL - 1) / PANEL * ((K + BK - 1) / BK) * BLOCK_BYTES;
+}
+
+/* q [N, K] codes, scale and offset [N, ceil(K / BK)] -> packed (int8_packed_bytes); channels past N and columns
+ * past K get code, scale and offset 0. */
+void int8_pack(const uint8_t *q, const float *scale, const float *offset, int64_t N, int64_t K, uint8_t *packed) {
+    int64_t blocks = (K + BK - 1) / BK;
+    memset(packed, 0, (size_t)int8_packed_bytes(N, K));
     for (int64_t n = 0; n < N; n++) {
-        int8_t *dst = packed + (n / PANEL) * K * PANEL + n % PANEL;
-        for (int64_t k = 0; k < K; k++) dst[k * PANEL] = q[n * K + k];
+        int j = (int)(n % PANEL);
+        uint8_t *panel = packed + n / PANEL * blocks * BLOCK_BYTES;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *block = panel + b * BLOCK_BYTES;
+            float *s = (float *)block;
+            s[j] = scale[n * blocks + b];
+            s[PANEL + j] = offset[n * blocks + b];
+            for (int64_t k = b * BK; k < K && k < (b + 1) * BK; k++)
+                block[2 * PANEL * sizeof(float) + (k - b * BK) * PANEL + j] = q[n * K + k];
+        }
     }
 }
 
-#ifdef HAVE_AVX2
-static inline __m256 widen(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+/* The sum of each row's activations over each block of columns: sums [M][ceil(K / BK)]. */
+static void block_sums(const float *x, int64_t M, int64_t K, float *sums) {
+    int64_t blocks = (K + BK - 1) / BK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int64_t k = b * BK; k < K && k < (b + 1) * BK; k++) s += x[m * K + k];
+            sums[m * blocks + b] = s;
+        }
 }
 
-/* Rows [MT] of x (stride K) times one panel's columns [k0, k1) widened in registers; acc [MT][2]. */
-static inline __attribute__((always_inline)) void tile_int8(const int MT, const float *x, int64_t K,
-                                                            const int8_t *panel, int64_t k0, int64_t k1,
-                                                            __m256 acc[MR][2]) {
-    __m256 a[MR][2];  /* a local copy, so that the compiler keeps it in registers through the loop */
-    for (int i = 0; i < MT; i++) a[i][0] = acc[i][0], a[i][1] = acc[i][1];
-    for (int64_t k = k0; k < k1; k++) {
-        if (k % 4 == 0) __builtin_prefetch(panel + (k + AHEAD) * PANEL);
-        __m256 w0 = widen(panel + k * PANEL), w1 = widen(panel + k * PANEL + 8);
+#ifdef HAVE_AVX2
+static inline __m256 widen(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* MT rows of x (stride K) times one block's codes, columns [0, kb) of it, summed into a[MT][2]. */
+static inline __attribute__((always_inline)) void block_codes(const int MT, const float *x, int64_t K,
+                                                              const uint8_t *codes, int64_t kb, __m256 a[MR][2]) {
+    for (int64_t k = 0; k < kb; k++) {
+        if (k % 4 == 0) __builtin_prefetch(codes + k * PANEL + AHEAD);  /* one cache line: four columns */
+        __m256 w0 = widen(codes + k * PANEL), w1 = widen(codes + k * PANEL + 8);
         for (int i = 0; i < MT; i++) {
             __m256 b = _mm256_broadcast_ss(x + i * K + k);
             a[i][0] = _mm256_fmadd_ps(b, w0, a[i][0]);
             a[i][1] = _mm256_fmadd_ps(b, w1, a[i][1]);
         }
     }
-    for (int i = 0; i < MT; i++) acc[i][0] = a[i][0], acc[i][1] = a[i][1];
 }
 
-/* One row (M = 1): four chains of accumulators over alternate columns, since one pair alone waits on the
- * FMA's latency at every column. */
-static void row_int8(const float *x, int64_t K, const int8_t *panel, __m256 acc[MR][2]) {
-    __m256 a[4][2];
-    for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm256_setzero_ps();
+/* One row's block (M = 1): four chains of sums over alternate columns, since one pair alone waits on the FMA's
+ * latency at every column. */
+static inline void block_codes_row(const float *x, const uint8_t *codes, int64_t kb, __m256 a[MR][2]) {
+    __m256 c[4][2];
+    for (int u = 0; u < 4; u++) c[u][0] = c[u][1] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
-        __builtin_prefetch(panel + (k + AHEAD) * PANEL);  /* one cache line: four columns */
+    for (; k + 4 <= kb; k += 4) {
+        __builtin_prefetch(codes + k * PANEL + AHEAD);
         for (int u = 0; u < 4; u++) {
             __m256 b = _mm256_broadcast_ss(x + k + u);
-            a[u][0] = _mm256_fmadd_ps(b, widen(panel + (k + u) * PANEL), a[u][0]);
-            a[u][1] = _mm256_fmadd_ps(b, widen(panel + (k + u) * PANEL + 8), a[u][1]);
+            c[u][0] = _mm256_fmadd_ps(b, widen(codes + (k + u) * PANEL), c[u][0]);
+            c[u][1] = _mm256_fmadd_ps(b, widen(codes + (k + u) * PANEL + 8), c[u][1]);
         }
     }
-    for (int h = 0; h < 2; h++) acc[0][h] = _mm256_add_ps(_mm256_add_ps(a[0][h], a[1][h]), _mm256_add_ps(a[2][h], a[3][h]));
-    tile_int8(1, x, K, panel, k, K, acc);
+    for (int h = 0; h < 2; h++) a[0][h] = _mm256_add_ps(_mm256_add_ps(c[0][h], c[1][h]), _mm256_add_ps(c[2][h], c[3][h]));
+    block_codes(1, x + k, 0, codes + k * PANEL, kb - k, a);
+}
+
+/* MT <= MR_REG rows times a whole panel, its codes widened in registers: per block, total += scale * sum(x q) +
+ * offset * sum(x). */
+static inline __attribute__((always_inline)) void tile_codes(const int MT, const float *x, int64_t K,
+                                                             const float *sums, const uint8_t *panel,
+                                                             __m256 total[MR][2]) {
+    int64_t blocks = (K + BK - 1) / BK;
+    __m256 t[MR][2];  /* local copies, so that the compiler keeps them in registers through the loops */
+    for (int i = 0; i < MT; i++) t[i][0] = t[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = panel + b * BLOCK_BYTES;
+        const float *scale = (const float *)block, *offset = scale + PANEL;
+        int64_t k0 = b * BK, kb = K - k0 < BK ? K - k0 : BK;
+        __m256 a[MR][2];
+        for (int i = 0; i < MT; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        if (MT == 1) block_codes_row(x + k0, block + 2 * PANEL * sizeof(float), kb, a);
+        else block_codes(MT, x + k0, K, block + 2 * PANEL * sizeof(float), kb, a);
+        for (int h = 0; h < 2; h++) {
+            __m256 s = _mm256_loadu_ps(scale + 8 * h), o = _mm256_loadu_ps(offset + 8 * h);
+            for (int i = 0; i < MT; i++)
+                t[i][h] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(sums + i * blocks + b),
+                                          _mm256_fmadd_ps(s, a[i][h], t[i][h]));
+        }
+    }
+    for (int i = 0; i < MT; i++) total[i][0] = t[i][0], total[i][1] = t[i][1];
 }
 
 /* A tile's MT rows, packed ([k][MT]: xt), times widened columns [0, kc) of a panel in `buf` ([kc][PANEL]). */
 static inline __attribute__((always_inline)) void tile_float(const int MT, const float *xt, const float *buf,
                                                              int64_t kc, __m256 acc[MR][2]) {
-    __m256 a[MR][2];  /* as in tile_int8 */
+    __m256 a[MR][2];  /* as in tile_codes */
     for (int i = 0; i < MT; i++) a[i][0] = acc[i][0], a[i][1] = acc[i][1];
     for (int64_t k = 0; k < kc; k++) {
         __m256 w0 = _mm256_loadu_ps(buf + k * PANEL), w1 = _mm256_loadu_ps(buf + k * PANEL + 8);
@@ -106,19 +165,36 @@ static inline __attribute__((always_inline)) void tile_float(const int MT, const
     for (int i = 0; i < MT; i++) acc[i][0] = a[i][0], acc[i][1] = a[i][1];
 }
 
+/* Columns [k0, k0 + kc) of a panel as weights (scale * code + offset) into buf [kc][PANEL]. */
+static void widen_columns(const uint8_t *panel, int64_t k0, int64_t kc, float *buf) {
+    for (int64_t k = k0; k < k0 + kc;) {
+        const uint8_t *block = panel + k / BK * BLOCK_BYTES;
+        const float *scale = (const float *)block, *offset = scale + PANEL;
+        const uint8_t *codes = block + 2 * PANEL * sizeof(float);
+        __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+        __m256 o0 = _mm256_loadu_ps(offset), o1 = _mm256_loadu_ps(offset + 8);
+        int64_t end = (k / BK + 1) * BK < k0 + kc ? (k / BK + 1) * BK : k0 + kc;
+        for (; k < end; k++) {
+            const uint8_t *c = codes + k % BK * PANEL;
+            if (k % 4 == 0) __builtin_prefetch(c + AHEAD);
+            _mm256_storeu_ps(buf + (k - k0) * PANEL, _mm256_fmadd_ps(widen(c), s0, o0));
+            _mm256_storeu_ps(buf + (k - k0) * PANEL + 8, _mm256_fmadd_ps(widen(c + 8), s1, o1));
+        }
+    }
+}
+
 static inline void zero(__m256 acc[MR][2]) {
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
 }
 
-/* y[i, n0 + j] (j < width) = acc * scale (+ r); `add`: onto what y holds. */
-static void store(int MT, __m256 acc[MR][2], const float *scale, const float *r, float *y, int64_t N, int width,
-                  int add) {
+/* y[i, n0 + j] (j < width) = acc (+ r); `add`: onto what y holds. */
+static void store(int MT, __m256 acc[MR][2], const float *r, float *y, int64_t N, int width, int add) {
     float out[PANEL];
     for (int i = 0; i < MT; i++) {
         _mm256_storeu_ps(out, acc[i][0]);
         _mm256_storeu_ps(out + 8, acc[i][1]);
         for (int j = 0; j < width; j++) {
-            float v = scale ? out[j] * scale[j] : out[j];
+            float v = out[j];
             if (add) v += y[i * N + j];
             else if (r) v += r[i * N + j];
             y[i * N + j] = v;
@@ -130,42 +206,34 @@ static void store(int MT, __m256 acc[MR][2], const float *scale, const float *r,
     switch (MT) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
                   case 4: CALL(4); break; case 5: CALL(5); break; default: CALL(6); break; }
 
-/* One panel, every row. `xp`: x packed by pack_rows (more than MR rows); `buf`: KC * PANEL floats of this
- * thread's. */
-static void panel_rows(const float *x, const float *xp, int64_t M, int64_t K, const int8_t *panel,
-                       const float *scale, int width, const float *r, float *y, int64_t N, float *buf) {
+/* One panel, every row. `sums`: block_sums of x (up to MR_REG rows); `xp`: x packed by pack_rows (more rows);
+ * `buf`: KC * PANEL floats of this thread's. */
+static void panel_rows(const float *x, const float *sums, const float *xp, int64_t M, int64_t K,
+                       const uint8_t *panel, int width, const float *r, float *y, int64_t N, float *buf) {
     __m256 acc[MR][2];
-    if (M <= MR) {  /* one tile: widen in registers as the panel streams past */
-        zero(acc);
-        if (M == 1) row_int8(x, K, panel, acc);
-        else {
-#define TILE(T) tile_int8(T, x, K, panel, 0, K, acc)
-            SWITCH_MT(M, TILE)
-#undef TILE
+    if (M <= MR_REG) {
+        switch (M) {
+            case 1: tile_codes(1, x, K, sums, panel, acc); break;
+            case 2: tile_codes(2, x, K, sums, panel, acc); break;
+            default: tile_codes(3, x, K, sums, panel, acc); break;
         }
-        store((int)M, acc, scale, r, y, N, width, 0);
+        store((int)M, acc, r, y, N, width, 0);
         return;
     }
-    float s[PANEL];
-    for (int j = 0; j < PANEL; j++) s[j] = j < width ? scale[j] : 0.0f;
-    __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int64_t k = 0; k < kc; k++) {  /* widen and scale once for all rows */
-            if (k % 4 == 0) __builtin_prefetch(panel + (k0 + k + AHEAD) * PANEL);
-            _mm256_storeu_ps(buf + k * PANEL, _mm256_mul_ps(widen(panel + (k0 + k) * PANEL), s0));
-            _mm256_storeu_ps(buf + k * PANEL + 8, _mm256_mul_ps(widen(panel + (k0 + k) * PANEL + 8), s1));
-        }
+        widen_columns(panel, k0, kc, buf);  /* once for all rows */
         for (int64_t m = 0; m < M; m += MR) {
             int mt = M - m < MR ? (int)(M - m) : MR;
             zero(acc);
 #define TILE(T) tile_float(T, xp + m * K + k0 * mt, buf, kc, acc)
             SWITCH_MT(mt, TILE)
 #undef TILE
-            store(mt, acc, 0, r ? r + m * N : 0, y + m * N, N, width, k0 > 0);
+            store(mt, acc, r ? r + m * N : 0, y + m * N, N, width, k0 > 0);
         }
     }
 }
+
 /* x [M, K] -> xp: each tile of MR rows (the last: what is left) as [K][rows], so that a step of k broadcasts
  * from one cache line. */
 static void pack_rows(const float *x, int64_t M, int64_t K, float *xp) {
@@ -177,30 +245,43 @@ static void pack_rows(const float *x, int64_t M, int64_t K, float *xp) {
     }
 }
 #else
-/* Plain C: one panel, every row, the weights widened as they are read. */
-static void panel_rows(const float *x, const float *xp, int64_t M, int64_t K, const int8_t *panel,
-                       const float *scale, int width, const float *r, float *y, int64_t N, float *buf) {
+/* Plain C: one panel, every row, the codes widened as they are read, block by block. */
+static void panel_rows(const float *x, const float *sums, const float *xp, int64_t M, int64_t K,
+                       const uint8_t *panel, int width, const float *r, float *y, int64_t N, float *buf) {
     (void)xp, (void)buf;
+    int64_t blocks = (K + BK - 1) / BK;
     for (int64_t m = 0; m < M; m++) {
-        float acc[PANEL] = {0};
-        for (int64_t k = 0; k < K; k++) {
-            float b = x[m * K + k];
-            for (int j = 0; j < PANEL; j++) acc[j] += b * (float)panel[k * PANEL + j];
+        float total[PANEL] = {0};
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = panel + b * BLOCK_BYTES;
+            const float *scale = (const float *)block, *offset = scale + PANEL;
+            const uint8_t *codes = block + 2 * PANEL * sizeof(float);
+            float acc[PANEL] = {0};
+            for (int64_t k = b * BK; k < K && k < (b + 1) * BK; k++) {
+                float v = x[m * K + k];
+                for (int j = 0; j < PANEL; j++) acc[j] += v * (float)codes[(k - b * BK) * PANEL + j];
+            }
+            for (int j = 0; j < PANEL; j++) total[j] += scale[j] * acc[j] + offset[j] * sums[m * blocks + b];
         }
-        for (int j = 0; j < width; j++) y[m * N + j] = acc[j] * scale[j] + (r ? r[m * N + j] : 0.0f);
+        for (int j = 0; j < width; j++) y[m * N + j] = total[j] + (r ? r[m * N + j] : 0.0f);
     }
 }
 #endif
 
-/* x [M, K], packed (int8_pack) weights, s [N], r [M, N] or NULL, y [M, N]; all contiguous. The panels are split
- * among `threads` threads. Returns 0, or -1 where the scratch for the rows could not be had. */
-int int8_linear(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *s, int64_t N,
-                const float *r, float *y, int threads) {
-    int64_t panels = (N + PANEL - 1) / PANEL;
-    float *xp = 0;
+/* x [M, K], packed (int8_pack) weights, r [M, N] or NULL, y [M, N]; all contiguous. The panels are split among
+ * `threads` threads. Returns 0, or -1 where the scratch for the rows could not be had. */
+int int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *r, float *y,
+                int threads) {
+    int64_t panels = (N + PANEL - 1) / PANEL, blocks = (K + BK - 1) / BK;
+    float *sums = 0, *xp = 0;
 #ifdef HAVE_AVX2
-    if (M > MR && !(xp = malloc((size_t)(M * K) * sizeof(float)))) return -1;
+    int widened = M > MR_REG;  /* the rows go over a widened panel (xp), else the codes are widened per row (sums) */
+#else
+    int widened = 0;
 #endif
+    if (widened ? !(xp = malloc(sizeof(float) * (size_t)(M * K))) : !(sums = malloc(sizeof(float) * (size_t)(M * blocks))))
+        return -1;
+    if (sums) block_sums(x, M, K, sums);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float buf[KC * PANEL];
@@ -211,9 +292,10 @@ int int8_linear(const float *x, int64_t M, int64_t K, const int8_t *packed, cons
         for (int64_t p = 0; p < panels; p++) {
             int64_t n = p * PANEL;
             int width = N - n < PANEL ? (int)(N - n) : PANEL;
-            panel_rows(x, xp, M, K, packed + p * K * PANEL, s + n, width, r ? r + n : 0, y + n, N, buf);
+            panel_rows(x, sums, xp, M, K, packed + p * blocks * BLOCK_BYTES, width, r ? r + n : 0, y + n, N, buf);
         }
     }
+    free(sums);
     free(xp);
     return 0;
 }
