@@ -265,7 +265,9 @@ def test_a_client_that_pipelines_without_reading_keeps_the_server_small(group):
         before = server.memory_info().rss
         flood(sock, 2)
         grown = server.memory_info().rss - before
-    assert grown < 24 * 2**20, f"the API server grew {grown / 2**20:.0f} MB in the flood's last 2 s"
+    # Bounded well under the bug's growth (553 MB in these 2 s) and well over the allocator's noise (25 MB seen once
+    # in a full suite on a 2-core AMD EPYC, under 24 MB in every other run).
+    assert grown < 96 * 2**20, f"the API server grew {grown / 2**20:.0f} MB in the flood's last 2 s"
     assert httpx.get(f"{group.url}/health", timeout=10).status_code == 200
 
 
