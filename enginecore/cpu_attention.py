@@ -44,7 +44,7 @@ def decode(q: torch.Tensor, kv: tuple[int, int, int, int], tables: torch.Tensor,
         q = q.contiguous()
     k, v, block_size, kv_heads = kv
     out = torch.empty(rows, heads, d)
-    if lib.decode_attention(q.data_ptr(), q.stride(0), k, v, tables.data_ptr(), tables.numel() // rows,
+    if lib.decode_attention(q.data_ptr(), q.stride(0), k, v, tables.data_ptr(), tables.numel() // max(rows, 1),
                             lengths.data_ptr(), rows, heads, kv_heads, d, block_size, scaling, out.data_ptr(),
                             torch.get_num_threads()):
         raise MemoryError(f"decode attention of {rows} rows: no memory for the scores")

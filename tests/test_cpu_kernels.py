@@ -191,3 +191,37 @@ def test_a_machine_without_a_compiler_serves_on_torchs_ops(tmp_path):
     assert "decode attention by torch" in log
     assert "Traceback" not in log
     assert not (cache / "supervise" / "native").exists() or not list((cache / "supervise" / "native").glob("*.so"))
+
+
+def test_a_step_whose_rows_need_no_logits_runs_on_our_kernels(prompts):
+    """A prompt longer than a step's token budget is computed in chunks, and a step of only a chunk that does not
+    end its prompt samples nothing: its LM head multiplies no row. Our int8 kernel read a row there anyway and the
+    engine died of a segmentation fault (any prompt over --max-num-batched-tokens under the default int8)."""
+    engine = make_engine(quantization="int8", max_num_batched_tokens=64, enable_prefix_caching=False)
+    long_prompt = max(prompts, key=len)
+    assert len(long_prompt) > 2 * 64
+    out = engine.generate([greedy_request("long", long_prompt, 4)])
+    assert len(out[("long", 0)]) == 4
+    lean = engine.runner.lean_model
+    empty = torch.empty(0, lean.head.in_features)
+    assert lean.head(empty).shape == (0, lean.head.out_features)
+    assert engine.runner.lean_model.cpu_ops.rms_norm(empty, lean.final_norm, 1e-5).shape == empty.shape
+
+
+def test_a_prompt_past_the_step_budget_is_answered_by_the_default_group():
+    """Through the group: the default (int8 by our kernel where it runs) with a small step budget, a prompt of many
+    chunks answered, and the group still up for the next request."""
+    from openai import OpenAI
+
+    from tests.supervise_process import Supervise
+
+    with Supervise("--max-num-batched-tokens", "64") as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused")
+        model = client.models.list().data[0].id
+        long = client.completions.create(model=model, prompt="the sea and the sky " * 120, max_tokens=4,
+                                         temperature=0)
+        assert long.usage.prompt_tokens > 4 * 64 and long.usage.completion_tokens == 4
+        again = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in again.choices[0].message.content
+        assert "Segmentation" not in server.log() and "Traceback" not in server.log()

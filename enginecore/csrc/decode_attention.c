@@ -139,6 +139,7 @@ int decode_attention(const float *q, int64_t q_stride, const float *k_cache, con
                      int kv_heads, int d, int block_size, float scale, float *out, int threads) {
     int group = heads / kv_heads;
     int64_t longest = 1, work = 0;
+    if (rows <= 0) return 0;
     for (int64_t b = 0; b < rows; b++) {
         longest = lengths[b] > longest ? lengths[b] : longest;
         work += lengths[b];

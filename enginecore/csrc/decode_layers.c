@@ -24,6 +24,7 @@ int decode_layers(float *h, int64_t rows, const int64_t *table, int layers, int 
                   const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                   const int64_t *lengths, int threads) {
     int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * d, attn_width = (int64_t)heads * d;
+    if (rows <= 0) return 0;
     float *x = malloc(sizeof(float) * (size_t)(rows * hidden));
     float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_width));
     float *q = malloc(sizeof(float) * (size_t)(rows * attn_width));

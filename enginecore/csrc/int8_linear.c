@@ -277,6 +277,7 @@ int int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, int
                 int threads) {
     int64_t panels = (N + PANEL - 1) / PANEL, blocks = (K + BK - 1) / BK;
     float *sums = 0, *xp = 0;
+    if (M <= 0 || N <= 0) return 0;  /* nothing to write (a step whose rows need no logits: no row at all) */
 #ifdef HAVE_AVX2
     int widened = M > MR_REG;  /* the rows go over a widened panel (xp), else the codes are widened per row (sums) */
 #else
