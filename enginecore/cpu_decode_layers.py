@@ -34,7 +34,7 @@ class CpuDecodeLayers:
     def __init__(self, lean, lib: ctypes.CDLL):
         self.lean = lean
         self.lib = lib
-        self._tables: dict[int, torch.Tensor] = {}  # per KV cache (its address): the layers' table
+        self._table_for: tuple[int, torch.Tensor] | None = None  # the KV cache's address and the layers' table
 
     @classmethod
     def for_model(cls, lean) -> "CpuDecodeLayers | None":
@@ -70,7 +70,7 @@ class CpuDecodeLayers:
         """[layers, 12] int64: each layer's norms, products (packed weights, outputs) and K/V cache, in
         csrc/decode_layers.c's order."""
         key = cache.tensor.data_ptr()
-        if key not in self._tables:
+        if self._table_for is None or self._table_for[0] != key:  # one cache per engine: keep the latest's
             rows = []
             for layer in self.lean.layers:
                 k_cache, v_cache, _, _ = cache.layer_addresses[layer.layer_idx]
@@ -81,5 +81,5 @@ class CpuDecodeLayers:
                 for kernel in (layer.gate_up, layer.down):
                     row += [kernel.packed.data_ptr(), kernel.out_features]
                 rows.append(row + [k_cache, v_cache])
-            self._tables = {key: torch.tensor(rows, dtype=torch.int64)}  # one cache per engine: keep the latest
-        return self._tables[key]
+            self._table_for = (key, torch.tensor(rows, dtype=torch.int64))
+        return self._table_for[1]

@@ -8,8 +8,8 @@ far less than with one scale per channel (on bench/quantization.py's prompts flo
 positions, against 96.9% per channel). The activations stay float32. The kernel reads a little over a quarter of
 float32's weight bytes and widens each code in registers: on a 2-core AMD EPYC (Zen 2, AVX2, no VNNI), where
 oneDNN's int8 products come out wrong and torch's int8 weight-only kernel is 10-30x slower than float32, the whole
-SmolLM2-135M's products from memory took 8.0 / 27.5 / 68.5 ms at 1 / 8 / 32 rows against oneDNN float32's
-31.1 / 47.7 / 84.4 (bench/cpu_layout.py, 2026-12-07, with one scale per channel then).
+SmolLM2-135M's products from memory took 7.3 / 24.1 / 62.6 ms at 1 / 8 / 32 rows against oneDNN float32's
+29.7 / 45.4 / 85.8 (bench/cpu_layout.py, 2026-12-07).
 """
 from __future__ import annotations
 

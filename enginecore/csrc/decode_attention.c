@@ -145,7 +145,8 @@ int decode_attention(const float *q, int64_t q_stride, const float *k_cache, con
         work += lengths[b];
     }
     int failed = 0;
-    /* threads only where there is enough to share: a parallel region costs about what 4,000 token-heads do */
+    /* threads only where there is enough to share: a parallel region's start and join cost some microseconds, which
+     * a few thousand token-heads' work pays for (a round figure, not tuned) */
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * kv_heads > 1 && work * heads >= 4096)
     {
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));

@@ -45,8 +45,9 @@
  * (prefetchnta: kept out of the outer caches, which hold the activations and the KV cache). The hardware's own
  * prefetch left a one-row product of the whole model (SmolLM2's weights and head) at 17 GB/s on a 2-core AMD EPYC
  * Zen 2 that sums memory at 35; asked 2 KB ahead, 21 GB/s (0.5 to 4 KB ahead were within 5% of each other), and
- * asked as data used once, 26 GB/s (at the block format's 168 MB: 8.5-9.0 -> 6.4 ms; 8 rows 24.9 -> 23.4 ms). The
- * panels follow one another in memory, so this runs on into the next one. */
+ * asked as data used once, 26 GB/s (at the block format's 168 MB: 8.5-9.0 -> 6.4 ms; 8 rows 24.9 -> 23.4 ms; each
+ * a one-off comparison in a loop over the engine's packed weights; bench/cpu_layout.py's "products from memory"
+ * times the same at 1 / 8 / 32 rows). The panels follow one another in memory, so this runs on into the next one. */
 #define AHEAD 2048
 #define PREFETCH(p) __builtin_prefetch((p), 0, 0)
 
