@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from enginecore import cpu_attention
 from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason
 from enginecore.cpu_decode_layers import CpuDecodeLayers
 from enginecore.cpu_layer_ops import layer_ops
@@ -109,6 +110,9 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     if dtype != torch.float32:
         log.info("CPU: transformers' forward in %s (the lean forward and its kernel choice are float32)", dtype)
         return None
+    # Built now, not by the first step with decode rows (a second or two of the compiler in the step loop). Both
+    # forwards attend decode rows with it; the one-call decode step has its own copy.
+    cpu_attention.kernel()
     layout = float32_layout(model)
     if why_not:
         if layout["column_major"]:

@@ -22,6 +22,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -125,11 +126,13 @@ def _build_and_load(name: str) -> ctypes.CDLL:
                                         platform.machine()]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"{name}-{key}.so"
         if not target.exists():
+            started = time.monotonic()
             complaint = _build(cc, source, flags, target) or ""
             if complaint:
                 continue
-            log.log(logging.INFO if "-fopenmp" in flags else logging.WARNING, "built %s for this CPU: %s %s%s",
-                    source.name, cc, " ".join(flags), "" if "-fopenmp" in flags else " (no OpenMP: one thread)")
+            log.log(logging.INFO if "-fopenmp" in flags else logging.WARNING, "built %s for this CPU in %.1f s: %s "
+                    "%s%s (kept in %s)", source.name, time.monotonic() - started, cc, " ".join(flags),
+                    "" if "-fopenmp" in flags else " (no OpenMP: one thread)", target.parent)
         try:
             return ctypes.CDLL(str(target))
         except OSError as exc:

@@ -13,6 +13,18 @@ import httpx
 import psutil
 
 SUPERVISE = os.path.join(os.path.dirname(sys.executable), "supervise")
+
+
+def model_cache_without_native_builds(where) -> str:
+    """A copy of the model cache ($XDG_CACHE_HOME/supervise) under `where`, without the C kernels already built for
+    this CPU: the XDG_CACHE_HOME of a first start on a machine that has the model."""
+    import shutil
+
+    shutil.copytree(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supervise"),
+                    os.path.join(where, "supervise"), ignore=shutil.ignore_patterns("native"))
+    return str(where)
+
+
 _URL_LINE = re.compile(r"serving .* on (http://\S+) with")
 
 

@@ -17,7 +17,7 @@ from enginecore.cpu_int8 import (BLOCK, PackedInt8Linear, bind, block_codes, blo
                                  packed_int8_unavailable_reason)
 from enginecore.cpu_linear import onednn_int8_unavailable_reason
 
-from tests.supervise_process import SUPERVISE
+from tests.supervise_process import SUPERVISE, model_cache_without_native_builds
 
 pytestmark = pytest.mark.skipif(packed_int8_unavailable_reason() is not None,
                                 reason=f"our int8 kernel does not run here: {packed_int8_unavailable_reason()}")
@@ -133,9 +133,8 @@ def test_without_a_compiler_the_kernel_says_why(tmp_path):
 
 @pytest.mark.skipif(onednn_int8_unavailable_reason() is None, reason="oneDNN's int8 runs here: int8 stays possible")
 def test_int8_without_a_compiler_and_without_vnni_is_refused_in_one_line(tmp_path):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": shutil.which("false") or "/bin/false"}
-    shutil.copytree(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supervise"),
-                    tmp_path / "cache" / "supervise", ignore=shutil.ignore_patterns("native"))
+    env = {**os.environ, "XDG_CACHE_HOME": model_cache_without_native_builds(tmp_path / "cache"),
+           "CC": shutil.which("false") or "/bin/false"}
     result = subprocess.run([SUPERVISE, "--quantization", "int8", "--port", "0"], capture_output=True, text=True,
                             timeout=300, stdin=subprocess.DEVNULL, env=env)
     assert result.returncode == 2

@@ -170,17 +170,14 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_logits_bit_for_bit(p
 
 def test_a_machine_without_a_compiler_serves_on_torchs_ops(tmp_path):
     """No C compiler: the group starts and answers, each kernel left out with one line in the log saying why."""
-    import os
     import shutil
 
     from openai import OpenAI
 
-    from tests.supervise_process import Supervise
+    from tests.supervise_process import Supervise, model_cache_without_native_builds
 
     cache = tmp_path / "cache"
-    shutil.copytree(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "supervise"),
-                    cache / "supervise", ignore=shutil.ignore_patterns("native"))
-    env = {"XDG_CACHE_HOME": str(cache), "CC": shutil.which("false") or "/bin/false"}
+    env = {"XDG_CACHE_HOME": model_cache_without_native_builds(cache), "CC": shutil.which("false") or "/bin/false"}
     with Supervise(env=env) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused")
         answer = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8, temperature=0,
@@ -191,6 +188,29 @@ def test_a_machine_without_a_compiler_serves_on_torchs_ops(tmp_path):
     assert "decode attention by torch" in log
     assert "Traceback" not in log
     assert not (cache / "supervise" / "native").exists() or not list((cache / "supervise" / "native").glob("*.so"))
+
+
+def test_every_kernel_is_built_before_the_group_is_ready(tmp_path):
+    """A first start builds the kernels while the engine starts, not in its step loop: the decode attention kernel
+    was built by the first step with decode rows, a second or two of the compiler that every stream in flight
+    waited out."""
+    from openai import OpenAI
+
+    from tests.supervise_process import Supervise, model_cache_without_native_builds
+
+    cache = tmp_path / "cache"
+    native_dir = cache / "supervise" / "native"
+    with Supervise(env={"XDG_CACHE_HOME": model_cache_without_native_builds(cache)}) as server:
+        built = sorted(path.name.split("-")[0] for path in native_dir.glob("*.so"))
+        assert "decode_attention" in built and "layer_ops" in built, built
+        client = OpenAI(base_url=server.base_url, api_key="unused")
+        answer = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in answer.choices[0].message.content
+        assert sorted(path.name.split("-")[0] for path in native_dir.glob("*.so")) == built
+        log = server.log()
+    assert log.count("built decode_attention.c") == 1
+    assert log.index("built decode_attention.c") < log.index("engine core(s) ready")
 
 
 def test_a_step_whose_rows_need_no_logits_runs_on_our_kernels(prompts):
