@@ -82,8 +82,9 @@ def _build(cc: str, source: Path, flags: list[str], target: Path) -> str | None:
     try:
         done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", partial, str(source)], capture_output=True,
                               text=True, timeout=120, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            return (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        if done.returncode != 0:  # the first error, which says what (the last line is often "compilation terminated")
+            lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+            return next((line for line in lines if "error" in line), lines[-1])
         os.replace(partial, target)  # whole or not at all, also when two engines build at once
         return None
     except (OSError, subprocess.SubprocessError) as exc:

@@ -3,6 +3,7 @@ they stand in for, on shapes that reach every loop and tail (rows, heads per KV 
 multiples of 8 or 32, contexts that end mid-block), as built for this CPU and as plain C; and the engine's greedy
 tokens equal transformers' both with them and with torch's ops (the path of a machine without a compiler)."""
 import ctypes
+import os
 import platform
 import subprocess
 
@@ -211,6 +212,35 @@ def test_every_kernel_is_built_before_the_group_is_ready(tmp_path):
         log = server.log()
     assert log.count("built decode_attention.c") == 1
     assert log.index("built decode_attention.c") < log.index("engine core(s) ready")
+
+
+def test_the_installed_package_builds_every_kernel(tmp_path):
+    """What pip installs holds every source and header the kernels are built from: the wheel left out csrc/vec8.h,
+    so an installed supervise could build only the int8 product and ran the rest on torch's ops."""
+    import shutil
+    import sys
+    import zipfile
+
+    root = native.SOURCES.parent.parent
+    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ there
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    for package in ("supervisor", "apiserver", "enginecore", "ipc"):
+        shutil.copytree(root / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "wheel"), str(source)], check=True, timeout=300, capture_output=True)
+    installed = tmp_path / "installed"
+    zipfile.ZipFile(next((tmp_path / "wheel").glob("supervise-*.whl"))).extractall(installed)
+    kernels = sorted(path.stem for path in native.SOURCES.glob("*.c"))
+    probe = ("import enginecore, enginecore.native as n; assert enginecore.__file__.startswith(%r); "
+             "[n.library(name) for name in %r]; print('built')" % (str(installed), kernels))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={"PATH": os.environ["PATH"], "PYTHONPATH": str(installed),
+                               "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.stdout.strip() == "built", done.stderr[-2000:]
+    assert sorted(path.name.split("-")[0] for path in (tmp_path / "cache" / "supervise" / "native").glob("*.so")) \
+        == kernels
 
 
 def test_a_step_whose_rows_need_no_logits_runs_on_our_kernels(prompts):
