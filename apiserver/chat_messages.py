@@ -12,12 +12,18 @@ from apiserver.protocol import ChatMessage
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Each message as `message_dict` gives it; a 400 for a tool message without `tool_call_id`."""
+    """Each message as `message_dict` gives it; a 400 for a tool message without `tool_call_id`, and for a message
+    without content that is not the assistant's (OpenAI's rule: only an assistant's turn, which may be tool calls
+    alone, may come without it; a null user message had been read as an empty one)."""
     dicts = []
     for index, message in enumerate(messages):
         if message.role == "tool" and message.tool_call_id is None:
             raise InvalidRequest(f"Invalid value for `messages.{index}`: a tool message needs `tool_call_id`.",
                                  param=f"messages.{index}")
+        if message.content is None and message.role != "assistant":
+            raise InvalidRequest(f"Invalid value for `messages.{index}.content`: a {message.role} message needs "
+                                 f"content (a string or a list of text parts), not null or nothing.",
+                                 param=f"messages.{index}.content")
         dicts.append(message_dict(message))
     return dicts
 

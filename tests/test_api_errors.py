@@ -50,7 +50,7 @@ def test_not_a_json_object(http, body):
     ({"messages": None}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "user"}]}, None),  # content may be left out; the template decides
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),  # only an assistant message may leave it out
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # a tool message names its call
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0.type"),

@@ -68,3 +68,27 @@ def test_a_number_that_is_not_finite_is_named_so(http, value):
 def test_json_array_body(http):
     response = http.post("/v1/chat/completions", json=[1, 2, 3])
     assert_openai_error(response, 400)
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+@pytest.mark.parametrize("content", ["null", "absent"])
+def test_a_message_without_content_is_refused_unless_it_is_the_assistants(http, role, content):
+    """OpenAI answers 400 for a user, system or tool message whose content is null or missing; it had been read as
+    an empty message and answered."""
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    message = {"role": role, **({"content": None} if content == "null" else {}),
+               **({"tool_call_id": "call_1"} if role == "tool" else {})}
+    messages = [{"role": "user", "content": "Hi"}, message] if role == "tool" else [message]
+    response = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
+    error = assert_openai_error(response, 400)
+    where = len(messages) - 1
+    assert error["param"] == f"messages.{where}.content" and f"a {role} message needs content" in error["message"]
+
+
+def test_an_assistant_turn_may_come_without_content(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Say yes."}]
+    response = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
