@@ -113,8 +113,8 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     # Built now, not by the first step with decode rows (a second or two of the compiler in the step loop). Both
     # forwards attend decode rows with it; the one-call decode step has its own copy.
     cpu_attention.kernel()
-    layout = float32_layout(model)
     if why_not:
+        layout = float32_layout(model)
         if layout["column_major"]:
             store_linear_weights_column_major(model)
         log.info("CPU: transformers' forward (%s); float32 weights %s-major (%s)", why_not,
@@ -122,7 +122,9 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
         return None
     why = ""
     if quantization == "auto":
-        quantization, why = auto_choice(model, layout)
+        quantization, why = auto_choice(model, float32_layout(model))
+    # float32's kernels are timed only where a float32 product will run (bf16 keeps its LM head in float32).
+    layout = float32_layout(model) if quantization in ("none", "bf16") else None
     kernel, described = mode_kernel(model, quantization, layout)
     key = (quantization, kernel)
     cached = _built.setdefault(model, {})
@@ -139,8 +141,8 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
     return cached[key]
 
 
-def mode_kernel(model: torch.nn.Module, quantization: str, layout: dict) -> tuple[Callable, str]:
-    """The kernel of a mode's products here, and how the log names it."""
+def mode_kernel(model: torch.nn.Module, quantization: str, layout: dict | None) -> tuple[Callable, str]:
+    """The kernel of a mode's products here, and how the log names it; `layout` (float32_layout) for none."""
     if quantization == "bf16":
         return Bf16Linear, "bfloat16 (oneDNN)"
     if quantization == "int8":

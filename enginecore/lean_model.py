@@ -27,6 +27,7 @@ this CPU, or int8 or bfloat16; on CUDA torch's own (cuBLAS) in the model's dtype
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +38,8 @@ from enginecore import attention
 from enginecore.cpu_linear import LinearKernel, TorchLinear
 
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 10  # how often a long preparation of the weights says how far it got
 
 LinearFactory = Callable[[torch.Tensor], LinearKernel]  # a float [out, in] weight -> the kernel that multiplies by it
 
@@ -111,7 +114,7 @@ class LeanLlama:
         self.rotary = base.rotary_emb  # transformers' own cos/sin (every RoPE scaling type it knows)
         self.final_norm = base.norm.weight
         self.scaling = base.layers[0].self_attn.scaling
-        self.layers = [self._layer(i, layer, make_linear) for i, layer in enumerate(base.layers)]
+        self.layers = self._layers(base.layers, make_linear)
         self.head = (make_head or make_linear)(model.lm_head.weight)
         # enginecore.rope_triton.rope_store where the engine found it exact here (CUDA): RoPE and the K/V cache
         # write in one kernel, for steps that attend in one varlen call.
@@ -120,6 +123,21 @@ class LeanLlama:
         # step's layers in one C call where the products are all our int8 kernel's (enginecore.cpu_decode_layers).
         self.cpu_ops = None
         self.cpu_decode_layers = None
+
+    def _layers(self, layers, make_linear: LinearFactory) -> list[_Layer]:
+        """Each decoder layer's weights made over for its kernel, with progress in the log: packing a large model
+        for the CPU's kernels takes a while (an 8B model's weights, a minute or more on a few cores)."""
+        started = said = time.monotonic()
+        out = []
+        for index, layer in enumerate(layers):
+            out.append(self._layer(index, layer, make_linear))
+            if time.monotonic() - said >= PROGRESS_EVERY_S and index + 1 < len(layers):
+                said = time.monotonic()
+                log.info("the products' weights: %d of %d layers made ready (%.0f s)", index + 1, len(layers),
+                         said - started)
+        if time.monotonic() - started >= PROGRESS_EVERY_S:
+            log.info("the products' weights of %d layers made ready in %.1f s", len(layers), time.monotonic() - started)
+        return out
 
     @staticmethod
     def _layer(index: int, layer, make_linear: LinearFactory) -> _Layer:

@@ -74,6 +74,32 @@ def test_a_weight_of_gguf_blocks_is_kept_exactly():
     assert 0 < error.max() <= 0.51 * (arbitrary.max() - arbitrary.min()) / 255
 
 
+def test_a_block_on_a_grid_in_its_first_columns_only_is_cut_in_255_steps():
+    """A grid is tried on each block's first columns, then on the whole of the blocks that pass: a block that lies
+    on Q4_1's grid only in those columns is not taken for one."""
+    gen = torch.Generator().manual_seed(1)
+    rows, cols = 8, 2 * BLOCK
+    step = 0.01
+    weight = torch.randint(0, 16, (rows, cols), generator=gen).float() * step
+    weight[:, ::BLOCK], weight[:, 1::BLOCK] = 0, 15 * step  # the range of 15 steps, in the first columns
+    weight[:, 5::BLOCK] += step / 3  # off the grid further on
+    codes, _, _ = block_codes(weight)
+    assert len(codes.unique()) > 16
+    error = (block_dequantized(weight) - weight).abs()
+    assert error.max() <= 0.51 * 15 * step / 255
+
+
+def test_a_weight_made_over_in_pieces_of_rows_is_the_same(monkeypatch):
+    from enginecore import cpu_int8
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(37, 3 * BLOCK + 5, generator=gen)
+    whole = block_codes(weight)
+    monkeypatch.setattr(cpu_int8, "ROWS_AT_ONCE", 8)
+    pieces = block_codes(weight)
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
 def test_the_result_is_the_same_bit_for_bit_on_one_thread_and_on_all():
     """Each output is one thread's sum in one order, so the thread governor's changes change no token."""
     weight = torch.randn(1000, 576) * 0.05
