@@ -57,7 +57,8 @@ def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     parts = [_block_codes(w[at:at + ROWS_AT_ONCE].float()) for at in range(0, w.shape[0], ROWS_AT_ONCE)]
     if len(parts) == 1:
         return parts[0]
-    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+    codes, scale, offset = (torch.cat(pieces) for pieces in zip(*parts))
+    return codes, scale, offset
 
 
 ROWS_AT_ONCE = 2048

@@ -148,6 +148,7 @@ def mode_kernel(model: torch.nn.Module, quantization: str, layout: dict | None) 
     if quantization == "int8":
         int8 = int8_kernel(model)
         return INT8_KERNELS[int8["kernel"]][0], f"int8 {int8['kernel']}{' (' + int8['why'] + ')' if int8['why'] else ''}"
+    assert layout is not None, "float32's products need float32_layout"
     return FLOAT32_KERNELS[layout["kernel"]], f"float32 {layout['kernel']} ({layout['why']})"
 
 
