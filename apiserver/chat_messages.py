@@ -20,10 +20,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if message.role == "tool" and message.tool_call_id is None:
             raise InvalidRequest(f"Invalid value for `messages.{index}`: a tool message needs `tool_call_id`.",
                                  param=f"messages.{index}")
-        if message.content is None and message.role != "assistant":
+        if not (message.content or isinstance(message.content, str)) and message.role != "assistant":
             raise InvalidRequest(f"Invalid value for `messages.{index}.content`: a {message.role} message needs "
-                                 f"content (a string or a list of text parts), not null or nothing.",
-                                 param=f"messages.{index}.content")
+                                 f"content (a string or a list of one or more text parts), not null, nothing or "
+                                 f"an empty list.", param=f"messages.{index}.content")
         dicts.append(message_dict(message))
     return dicts
 

@@ -71,13 +71,13 @@ def test_json_array_body(http):
 
 
 @pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
-@pytest.mark.parametrize("content", ["null", "absent"])
+@pytest.mark.parametrize("content", ["null", "absent", "no parts"])
 def test_a_message_without_content_is_refused_unless_it_is_the_assistants(http, role, content):
-    """OpenAI answers 400 for a user, system or tool message whose content is null or missing; it had been read as
-    an empty message and answered."""
+    """OpenAI answers 400 for a user, system or tool message whose content is null, missing or an empty list of
+    parts; it had been read as an empty message and answered. An empty string stays an empty message."""
     model = http.get("/v1/models").json()["data"][0]["id"]
-    message = {"role": role, **({"content": None} if content == "null" else {}),
-               **({"tool_call_id": "call_1"} if role == "tool" else {})}
+    message = {"role": role, **({"content": None} if content == "null" else {"content": []} if content == "no parts"
+                                else {}), **({"tool_call_id": "call_1"} if role == "tool" else {})}
     messages = [{"role": "user", "content": "Hi"}, message] if role == "tool" else [message]
     response = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
     error = assert_openai_error(response, 400)
@@ -88,7 +88,7 @@ def test_a_message_without_content_is_refused_unless_it_is_the_assistants(http, 
 def test_an_assistant_turn_may_come_without_content(http):
     model = http.get("/v1/models").json()["data"][0]["id"]
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
-                {"role": "user", "content": "Say yes."}]
+                {"role": "user", "content": ""}, {"role": "user", "content": "Say yes."}]
     response = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["role"] == "assistant"
