@@ -20,7 +20,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if message.role == "tool" and message.tool_call_id is None:
             raise InvalidRequest(f"Invalid value for `messages.{index}`: a tool message needs `tool_call_id`.",
                                  param=f"messages.{index}")
-        if not (message.content or isinstance(message.content, str)) and message.role != "assistant":
+        if (message.content is None or message.content == []) and message.role != "assistant":
             raise InvalidRequest(f"Invalid value for `messages.{index}.content`: a {message.role} message needs "
                                  f"content (a string or a list of one or more text parts), not null, nothing or "
                                  f"an empty list.", param=f"messages.{index}.content")

@@ -118,3 +118,22 @@ def test_a_mode_this_cpu_cannot_run_is_refused_in_one_line_with_the_reason(mode)
     assert len(errors) == 1 and errors[0].startswith(f"supervise: error: --quantization {mode}: {reason}"), errors
     assert errors[0].endswith("; use --quantization none")
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_product_past_the_timed_size_is_timed_on_a_slice_and_scaled_up(monkeypatch):
+    """time_kernels multiplies at most MOST_TIMED_WEIGHTS weights of a product (a 1B model's LM head took seconds
+    of start-up) and counts the rest in proportion."""
+    import time
+
+    from enginecore import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "MOST_TIMED_WEIGHTS", 64 * 10)
+    seen = []
+
+    def factory(weight):
+        seen.append(tuple(weight.shape))
+        return lambda x: time.sleep(0.001)
+
+    total = cpu_linear.time_kernels({"slow": factory}, [(10, 200), (10, 32)], batch_sizes=(1,), repeat=1)["slow"]
+    assert seen == [(64, 10), (32, 10)]
+    assert total >= 0.001 * 200 / 64 + 0.001
