@@ -4,7 +4,10 @@ SmolLM2-135M's shapes (9 heads, 3 KV heads of 64; hidden 576, intermediate 1536)
 
 - decode attention of R rows of L tokens (random blocks of 16 in a pool): torch's path (the blocks gathered by two
   index_selects, padded to the longest row with a mask, SDPA) against ours, which reads them where they lie;
-- RMS norm, SiLU(gate) x up, and RoPE with the K/V cache write, at 1 and 32 rows.
+- RMS norm, SiLU(gate) x up, and RoPE with the K/V cache write, at 1 and 32 rows;
+- a weight made into int8_linear.c's 8-bit codes (csrc/int8_codes.c, at every start of an int8 engine) against
+  the same steps in torch's tensor operations (tests/test_cpu_int8.py's reference), in millions of weights a
+  second: random weights (on no grid) and a GGUF Q4_1-like one (every block tried on the grids, the step fitted).
 
     .venv/bin/python bench/cpu_kernels.py
 """
@@ -22,8 +25,10 @@ import torch  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 
 from enginecore import cpu_attention  # noqa: E402
+from enginecore.cpu_int8 import block_codes, packed_int8_unavailable_reason  # noqa: E402
 from enginecore.cpu_layer_ops import layer_ops  # noqa: E402
 from enginecore.lean_model import rope  # noqa: E402
+from tests.test_cpu_int8 import gguf_like, reference_block_codes  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
 HIDDEN, INTERMEDIATE = 576, 1536
@@ -99,6 +104,16 @@ def layer_op_cases(number: int) -> None:
             print(f"  {rows:>3} rows, {name:<17} torch {t:7.1f}  ours {o:7.1f}  ({t / o:.2f}x)")
 
 
+def codes_cases() -> None:
+    """Millions of weights a second, best of 3, on a 2,048 x 8,192 weight (a 1B model's product is 2,048 x 8,192)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 2048, 8192
+    for name, weight in (("random", torch.randn(rows, cols, generator=gen) * 0.05),
+                         ("Q4_1-like", gguf_like(rows, cols, 16, False, gen))):
+        t, o = (rows * cols / best_us(lambda: make(weight), 1) for make in (reference_block_codes, block_codes))
+        print(f"  int8 codes, {name:<10} torch {t:7.1f}  ours {o:7.1f}  M weights/s  ({o / t:.2f}x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--number", type=int, default=50, help="calls per timed round")
@@ -108,6 +123,8 @@ def main() -> None:
     print(f"threads: {torch.get_num_threads()}")
     attention_cases(args.number)
     layer_op_cases(args.number)
+    if packed_int8_unavailable_reason() is None:
+        codes_cases()
 
 
 if __name__ == "__main__":

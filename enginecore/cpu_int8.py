@@ -29,6 +29,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's functions (ctypes would otherwise pass 64-bit sizes and pointers as C ints)."""
     lib.int8_block.argtypes, lib.int8_block.restype = [], ctypes.c_int
     lib.int8_packed_bytes.argtypes, lib.int8_packed_bytes.restype = [_I, _I], ctypes.c_int64
+    lib.int8_codes.argtypes, lib.int8_codes.restype = [_P, _I, _I, _P, _P, _P, ctypes.c_int], None
     lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P], None
     lib.int8_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
@@ -42,68 +43,29 @@ def kernels() -> ctypes.CDLL:
     return bind(library("int8_linear"))
 
 
-ROWS_AT_ONCE = 2048  # rows of a weight made over at once: the float temporaries stay small beside an 8B model
-# Columns of each block that a grid is tried on first: a block off the grid is nearly always off it there too, and
-# only the blocks that pass are tried whole. Every grid tried on every weight ran at about 37M weights a second on
-# 2 cores, half a minute for a 1.2B model not from a GGUF; this, about 115M.
-SAMPLE = 4
+ROWS_AT_ONCE = 2048  # rows of a weight not in float32 made float32 at once: the temporary stays small beside an 8B model
 
 
-def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_codes(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] -> (codes uint8 [out, in], scale and offset float32 [out, blocks]): W ~= scale * code + offset
-    per block of BLOCK columns, offset the block's least weight.
+    per block of BLOCK columns, offset the block's least weight (csrc/int8_codes.c, on torch's threads).
 
     A GGUF's blocks are 32 columns on a grid: Q4_1's 16 values from its minimum (a step of its range / 15), Q5_1's
     32 (range / 31), Q8_0's d x (-127 .. 127) (the largest |w| / 127), Q4_0's and Q5_0's d x (-8 .. 7) and
     (-16 .. 15). A block that lies on one of those grids (within 1% of a step) takes the grid's codes and its step,
     fitted to all of the block's weights: its weights come back as they were, up to float rounding. Any other block
     has its range cut in 255 equal steps."""
+    lib = lib or kernels()
     w = weight.detach()
-    parts = [_block_codes(w[at:at + ROWS_AT_ONCE].float()) for at in range(0, w.shape[0], ROWS_AT_ONCE)]
-    if len(parts) == 1:
-        return parts[0]
-    codes, scale, offset = (torch.cat(pieces) for pieces in zip(*parts))
-    return codes, scale, offset
-
-
-def _block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     blocks = -(-cols // BLOCK)
-    pad = blocks * BLOCK - cols
-    # the padding columns take no part in a block's range: +inf for its least, -inf for its largest
-    least = torch.nn.functional.pad(w, (0, pad), value=float("inf")).view(rows, blocks, BLOCK).amin(-1)
-    largest = torch.nn.functional.pad(w, (0, pad), value=float("-inf")).view(rows, blocks, BLOCK).amax(-1)
-    above = torch.nn.functional.pad(w, (0, pad)).view(rows, blocks, BLOCK) - least[..., None]
-    if pad:
-        above[:, -1, BLOCK - pad:] = 0  # the padding: at the least, code 0
-    span = largest - least
-    most = torch.maximum(least.abs(), largest.abs())
-    scale = span / 255.0
-    on_grid = torch.zeros_like(span, dtype=torch.bool)
-    pending = span > 0  # a block of one value keeps scale 0: every code 0
-    for step in (span / 15, span / 31, most / 127, most / 8, most / 16):
-        candidates = pending & _on(above[..., :SAMPLE], step)
-        if not candidates.any():
-            continue
-        where = candidates.nonzero(as_tuple=True)
-        fits = torch.zeros_like(pending)
-        fits[where] = _on(above[where], step[where])
-        scale = torch.where(fits, step, scale)
-        on_grid |= fits
-        pending &= ~fits
-    codes = torch.round(above / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]).clamp_(0, 255)
-    # For a block on a grid, the step fitted to all of its codes (least squares): one weight's rounding does not
-    # set it.
-    fitted = (codes * above).sum(-1) / (codes * codes).sum(-1).clamp_min(1)
-    scale = torch.where(on_grid, fitted, scale)
-    return codes.view(rows, -1)[:, :cols].to(torch.uint8).contiguous(), scale.contiguous(), least.contiguous()
-
-
-def _on(values: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Whether each block's values [..., columns] (above its least) lie on the grid of its step: 0 .. 255 steps,
-    each within 1% of a whole step."""
-    steps = values / step[..., None]
-    return (steps.amax(-1) < 255.5) & (steps.sub_(steps.round()).abs_().amax(-1) < 0.01)
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scale, offset = torch.empty(rows, blocks), torch.empty(rows, blocks)
+    for at in range(0, rows, ROWS_AT_ONCE):
+        part = w[at:at + ROWS_AT_ONCE].float().contiguous()  # itself, where the weight is float32 and contiguous
+        lib.int8_codes(part.data_ptr(), part.shape[0], cols, codes[at].data_ptr(), scale[at].data_ptr(),
+                       offset[at].data_ptr(), torch.get_num_threads())
+    return codes, scale, offset
 
 
 def block_dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -119,7 +81,7 @@ class PackedInt8Linear(LinearKernel):
     def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL | None = None):
         self.lib = lib or kernels()
         self.out_features, self.in_features = weight.shape
-        codes, scale, offset = block_codes(weight)
+        codes, scale, offset = block_codes(weight, self.lib)
         self.packed = torch.empty(self.lib.int8_packed_bytes(self.out_features, self.in_features), dtype=torch.uint8)
         self.lib.int8_pack(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), self.out_features,
                            self.in_features, self.packed.data_ptr())

@@ -1,8 +1,9 @@
 """Our int8 kernel (enginecore/csrc/int8_linear.c through enginecore.cpu_int8): every product equals float32's
 with the same 8-bit weights, on every path of the kernel (one row, a few rows widened in registers, tiles over a
 widened panel, columns past a chunk or a block, channels past a panel), as built for this CPU and as plain C; a
-GGUF-shaped weight (16 values a block) is kept exactly; bit for bit whatever the thread count; and without a
-compiler it says why, and the engine falls back or refuses in one line."""
+GGUF-shaped weight (16 values a block) is kept exactly; the codes (csrc/int8_codes.c) equal those of the same steps
+in torch; bit for bit whatever the thread count; and without a compiler it says why, and the engine falls back or
+refuses in one line."""
 import ctypes
 import os
 import platform
@@ -93,11 +94,83 @@ def test_a_weight_made_over_in_pieces_of_rows_is_the_same(monkeypatch):
     from enginecore import cpu_int8
 
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(37, 3 * BLOCK + 5, generator=gen)
+    weight = torch.randn(37, 3 * BLOCK + 5, generator=gen).bfloat16()
     whole = block_codes(weight)
     monkeypatch.setattr(cpu_int8, "ROWS_AT_ONCE", 8)
     pieces = block_codes(weight)
     assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
+def reference_block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_codes's steps in torch's tensor operations, whole weights at once (what the engine ran before
+    csrc/int8_codes.c): each block's least and largest, each grid tried on the blocks' first SAMPLE columns and then
+    whole, the codes, and the step of a block on a grid fitted by least squares."""
+    SAMPLE = 4
+    w = w.float()
+    rows, cols = w.shape
+    blocks = -(-cols // BLOCK)
+    pad = blocks * BLOCK - cols
+    least = torch.nn.functional.pad(w, (0, pad), value=float("inf")).view(rows, blocks, BLOCK).amin(-1)
+    largest = torch.nn.functional.pad(w, (0, pad), value=float("-inf")).view(rows, blocks, BLOCK).amax(-1)
+    above = torch.nn.functional.pad(w, (0, pad)).view(rows, blocks, BLOCK) - least[..., None]
+    if pad:
+        above[:, -1, BLOCK - pad:] = 0  # the padding: at the least, code 0
+    span = largest - least
+    most = torch.maximum(least.abs(), largest.abs())
+    scale = span / 255.0
+    on_grid = torch.zeros_like(span, dtype=torch.bool)
+    pending = span > 0
+
+    def on(values, step):
+        steps = values / step[..., None]
+        return (steps.amax(-1) < 255.5) & (steps.sub_(steps.round()).abs_().amax(-1) < 0.01)
+
+    for step in (span / 15, span / 31, most / 127, most / 8, most / 16):
+        fits = pending & on(above[..., :SAMPLE], step) & on(above, step)
+        scale = torch.where(fits, step, scale)
+        on_grid |= fits
+        pending &= ~fits
+    codes = torch.round(above / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]).clamp_(0, 255)
+    fitted = ((codes.double() * above).sum(-1) / (codes.double() * codes).sum(-1).clamp_min(1)).float()
+    scale = torch.where(on_grid, fitted, scale)
+    return codes.view(rows, -1)[:, :cols].to(torch.uint8), scale, least
+
+
+def gguf_like(rows: int, cols: int, levels: int, symmetric: bool, gen: torch.Generator) -> torch.Tensor:
+    """Blocks of `levels` values a step apart, as llama.cpp makes them: from the block's minimum (Q4_1, Q5_1), or
+    d x (-levels/2 .. levels/2 - 1) with the largest |w| at -levels/2 (Q4_0, Q5_0) or d x (-127 .. 127) (Q8_0)."""
+    blocks = -(-cols // BLOCK)
+    step = (torch.rand(rows, blocks, generator=gen) * 0.01 + 1e-4).repeat_interleave(BLOCK, dim=1)[:, :cols]
+    if symmetric:
+        low = -127 if levels == 255 else -(levels // 2)
+        codes = torch.randint(low, -low + (levels != 255), (rows, cols), generator=gen).float()
+        codes[:, ::BLOCK] = low
+        return codes * step
+    codes = torch.randint(0, levels, (rows, cols), generator=gen).float()
+    codes[:, ::BLOCK], codes[:, 1::BLOCK] = 0, levels - 1
+    return codes * step + (torch.randn(rows, -(-cols // BLOCK), generator=gen) * 0.05).repeat_interleave(BLOCK, 1)[:, :cols]
+
+
+@pytest.mark.parametrize("cols", [1, 3, 5, BLOCK, 2 * BLOCK + 3, 577])
+def test_the_codes_equal_those_of_the_same_steps_in_torch(cols):
+    """On every kind of block: arbitrary weights, each GGUF grid, a block of one value, a block on a grid in its first
+    columns only, a last block cut short; float32 and bfloat16."""
+    gen = torch.Generator().manual_seed(cols)
+    rows = 24
+    kinds = [torch.randn(rows, cols, generator=gen) * 0.05,
+             gguf_like(rows, cols, 16, False, gen), gguf_like(rows, cols, 32, False, gen),
+             gguf_like(rows, cols, 16, True, gen), gguf_like(rows, cols, 32, True, gen),
+             gguf_like(rows, cols, 255, True, gen), torch.full((rows, cols), 0.25), torch.zeros(rows, cols)]
+    off_grid = gguf_like(rows, cols, 16, False, gen)
+    off_grid[:, 5::BLOCK] += 0.003
+    kinds.append(off_grid)
+    mixed = torch.cat([kinds[r % len(kinds)][r:r + 1] for r in range(rows)])  # unlike blocks side by side
+    for weight in [*kinds, mixed, mixed.bfloat16(), mixed.T.contiguous().T]:
+        codes, scale, offset = block_codes(weight)
+        ref_codes, ref_scale, ref_offset = reference_block_codes(weight)
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(offset, ref_offset)
+        assert torch.allclose(scale, ref_scale, rtol=1e-6, atol=0)
 
 
 def test_the_result_is_the_same_bit_for_bit_on_one_thread_and_on_all():

@@ -14,10 +14,11 @@
  * One symmetric scale per channel kept float32's greedy token at 96.9% of the positions of bench/quantization.py's
  * prompts; these, at 100%.
  *
- * The weights are packed once (int8_pack) into panels of PANEL output channels, a panel one contiguous run that
- * the kernel streams from memory in order: block after block, each its PANEL scales, PANEL offsets, then BK
- * columns of PANEL codes. Each step of k broadcasts one activation per row and adds it times the PANEL weights
- * (two 8-float vectors) into that row's accumulators, the outer-product form of the BLAS kernels.
+ * The weights are made into codes (int8_codes, in int8_codes.c) and packed (int8_pack) once, into panels of PANEL
+ * output channels, a panel one contiguous run that the kernel streams from memory in order: block after block,
+ * each its PANEL scales, PANEL offsets, then BK columns of PANEL codes. Each step of k broadcasts one activation
+ * per row and adds it times the PANEL weights (two 8-float vectors) into that row's accumulators, the
+ * outer-product form of the BLAS kernels.
  * - M <= MR_REG rows: the codes are widened in registers as the panel streams past, summed per block, and the
  *   block's scale and offset applied to the sums (the offset times the sum of the block's activations).
  * - more rows: the panel is widened to its weights KC columns at a time into a small float buffer that stays in
@@ -50,6 +51,8 @@
  * times the same at 1 / 8 / 32 rows). The panels follow one another in memory, so this runs on into the next one. */
 #define AHEAD 2048
 #define PREFETCH(p) __builtin_prefetch((p), 0, 0)
+
+#include "int8_codes.c" /* the codes of a float32 weight (int8_codes), which int8_pack packs */
 
 int int8_panel(void) { return PANEL; }
 
