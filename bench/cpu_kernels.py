@@ -5,7 +5,7 @@ SmolLM2-135M's shapes (9 heads, 3 KV heads of 64; hidden 576, intermediate 1536)
 - decode attention of R rows of L tokens (random blocks of 16 in a pool): torch's path (the blocks gathered by two
   index_selects, padded to the longest row with a mask, SDPA) against ours, which reads them where they lie;
 - RMS norm, SiLU(gate) x up, and RoPE with the K/V cache write, at 1 and 32 rows;
-- a weight made into int8_linear.c's 8-bit codes (csrc/int8_codes.c, at every start of an int8 engine) against
+- a weight made into int8_linear.c's 8-bit codes (csrc/int8_codes.h, at every start of an int8 engine) against
   the same steps in torch's tensor operations (tests/test_cpu_int8.py's reference), in millions of weights a
   second: random weights (on no grid) and a GGUF Q4_1-like one (every block tried on the grids, the step fitted).
 

@@ -48,7 +48,7 @@ ROWS_AT_ONCE = 2048  # rows of a weight not in float32 made float32 at once: the
 
 def block_codes(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] -> (codes uint8 [out, in], scale and offset float32 [out, blocks]): W ~= scale * code + offset
-    per block of BLOCK columns, offset the block's least weight (csrc/int8_codes.c, on torch's threads).
+    per block of BLOCK columns, offset the block's least weight (csrc/int8_codes.h, on torch's threads).
 
     A GGUF's blocks are 32 columns on a grid: Q4_1's 16 values from its minimum (a step of its range / 15), Q5_1's
     32 (range / 31), Q8_0's d x (-127 .. 127) (the largest |w| / 127), Q4_0's and Q5_0's d x (-8 .. 7) and

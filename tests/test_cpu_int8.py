@@ -1,7 +1,7 @@
 """Our int8 kernel (enginecore/csrc/int8_linear.c through enginecore.cpu_int8): every product equals float32's
 with the same 8-bit weights, on every path of the kernel (one row, a few rows widened in registers, tiles over a
 widened panel, columns past a chunk or a block, channels past a panel), as built for this CPU and as plain C; a
-GGUF-shaped weight (16 values a block) is kept exactly; the codes (csrc/int8_codes.c) equal those of the same steps
+GGUF-shaped weight (16 values a block) is kept exactly; the codes (csrc/int8_codes.h) equal those of the same steps
 in torch; bit for bit whatever the thread count; and without a compiler it says why, and the engine falls back or
 refuses in one line."""
 import ctypes
@@ -103,7 +103,7 @@ def test_a_weight_made_over_in_pieces_of_rows_is_the_same(monkeypatch):
 
 def reference_block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_codes's steps in torch's tensor operations, whole weights at once (what the engine ran before
-    csrc/int8_codes.c): each block's least and largest, each grid tried on the blocks' first SAMPLE columns and then
+    csrc/int8_codes.h): each block's least and largest, each grid tried on the blocks' first SAMPLE columns and then
     whole, the codes, and the step of a block on a grid fitted by least squares."""
     SAMPLE = 4
     w = w.float()
@@ -126,7 +126,12 @@ def reference_block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
         return (steps.amax(-1) < 255.5) & (steps.sub_(steps.round()).abs_().amax(-1) < 0.01)
 
     for step in (span / 15, span / 31, most / 127, most / 8, most / 16):
-        fits = pending & on(above[..., :SAMPLE], step) & on(above, step)
+        candidates = pending & on(above[..., :SAMPLE], step)
+        if not candidates.any():
+            continue
+        where = candidates.nonzero(as_tuple=True)  # only these blocks tried whole
+        fits = torch.zeros_like(pending)
+        fits[where] = on(above[where], step[where])
         scale = torch.where(fits, step, scale)
         on_grid |= fits
         pending &= ~fits

@@ -14,7 +14,7 @@
  * One symmetric scale per channel kept float32's greedy token at 96.9% of the positions of bench/quantization.py's
  * prompts; these, at 100%.
  *
- * The weights are made into codes (int8_codes, in int8_codes.c) and packed (int8_pack) once, into panels of PANEL
+ * The weights are made into codes (int8_codes, in int8_codes.h) and packed (int8_pack) once, into panels of PANEL
  * output channels, a panel one contiguous run that the kernel streams from memory in order: block after block,
  * each its PANEL scales, PANEL offsets, then BK columns of PANEL codes. Each step of k broadcasts one activation
  * per row and adds it times the PANEL weights (two 8-float vectors) into that row's accumulators, the
@@ -52,7 +52,7 @@
 #define AHEAD 2048
 #define PREFETCH(p) __builtin_prefetch((p), 0, 0)
 
-#include "int8_codes.c" /* the codes of a float32 weight (int8_codes), which int8_pack packs */
+#include "int8_codes.h" /* the codes of a float32 weight (int8_codes), which int8_pack packs */
 
 int int8_panel(void) { return PANEL; }
 
