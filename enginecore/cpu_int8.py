@@ -30,7 +30,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int8_block.argtypes, lib.int8_block.restype = [], ctypes.c_int
     lib.int8_packed_bytes.argtypes, lib.int8_packed_bytes.restype = [_I, _I], ctypes.c_int64
     lib.int8_codes.argtypes, lib.int8_codes.restype = [_P, _I, _I, _P, _P, _P, ctypes.c_int], None
-    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P], None
+    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P, ctypes.c_int], None
     lib.int8_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
     if lib.int8_block() != BLOCK:
@@ -84,7 +84,7 @@ class PackedInt8Linear(LinearKernel):
         codes, scale, offset = block_codes(weight, self.lib)
         self.packed = torch.empty(self.lib.int8_packed_bytes(self.out_features, self.in_features), dtype=torch.uint8)
         self.lib.int8_pack(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), self.out_features,
-                           self.in_features, self.packed.data_ptr())
+                           self.in_features, self.packed.data_ptr(), torch.get_num_threads())
         # What every call passes, looked up once: a decode step makes over a hundred of these calls.
         self._product = self.lib.int8_linear
         self._weights = (self.in_features, self.packed.data_ptr(), self.out_features)

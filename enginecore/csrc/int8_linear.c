@@ -64,20 +64,24 @@ int64_t int8_packed_bytes(int64_t N, int64_t K) {
 }
 
 /* q [N, K] codes, scale and offset [N, ceil(K / BK)] -> packed (int8_packed_bytes); channels past N and columns
- * past K get code, scale and offset 0. */
-void int8_pack(const uint8_t *q, const float *scale, const float *offset, int64_t N, int64_t K, uint8_t *packed) {
-    int64_t blocks = (K + BK - 1) / BK;
-    memset(packed, 0, (size_t)int8_packed_bytes(N, K));
-    for (int64_t n = 0; n < N; n++) {
-        int j = (int)(n % PANEL);
-        uint8_t *panel = packed + n / PANEL * blocks * BLOCK_BYTES;
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *block = panel + b * BLOCK_BYTES;
-            float *s = (float *)block;
-            s[j] = scale[n * blocks + b];
-            s[PANEL + j] = offset[n * blocks + b];
-            for (int64_t k = b * BK; k < K && k < (b + 1) * BK; k++)
-                block[2 * PANEL * sizeof(float) + (k - b * BK) * PANEL + j] = q[n * K + k];
+ * past K get code, scale and offset 0. Panels split among `threads` threads. */
+void int8_pack(const uint8_t *q, const float *scale, const float *offset, int64_t N, int64_t K, uint8_t *packed,
+               int threads) {
+    int64_t blocks = (K + BK - 1) / BK, panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        uint8_t *panel = packed + p * blocks * BLOCK_BYTES;
+        memset(panel, 0, (size_t)(blocks * BLOCK_BYTES));
+        for (int64_t n = p * PANEL; n < N && n < (p + 1) * PANEL; n++) {
+            int j = (int)(n % PANEL);
+            for (int64_t b = 0; b < blocks; b++) {
+                uint8_t *block = panel + b * BLOCK_BYTES;
+                float *s = (float *)block;
+                s[j] = scale[n * blocks + b];
+                s[PANEL + j] = offset[n * blocks + b];
+                for (int64_t k = b * BK; k < K && k < (b + 1) * BK; k++)
+                    block[2 * PANEL * sizeof(float) + (k - b * BK) * PANEL + j] = q[n * K + k];
+            }
         }
     }
 }
