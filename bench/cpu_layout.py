@@ -5,13 +5,15 @@ Each table side by side in one run:
    the float32 weight layout (timed at start-up, the engine's own function) and the default quantization;
 2. memory read bandwidth and the single-stream ceiling it sets for float32 and int8 weights;
 3. one SmolLM2-135M layer's products and the LM head at decode batch sizes, per kernel: float32 row- and
-   column-major, bf16 and int8 (`--quantization bf16|int8`: our W8A32, oneDNN's W8A8), and torch's int8 weight-only and int4
+   column-major, bf16 and int8 (`--quantization bf16|int8`: our W8A32, also with a GGUF's 16-value blocks, which
+   it keeps in 4-bit codes; oneDNN's W8A8), and torch's int8 weight-only and int4
    (GGUF Q4_1-sized groups of 32) kernels, which the engine does not offer because of these figures;
    then the whole model's products per kernel with every layer's own weights, read from memory as in a decode
    step (one layer's weights stay in the caches, which favours some kernels: on a 2-core Intel Xeon MKL's
    column-major product beat oneDNN's at one row from memory, and lost from two rows on);
-4. the engine's decode throughput per path (transformers' forward, the lean forward in float32, bf16, int8),
-   interleaved --rounds times, with whether each path's greedy tokens equal float32's.
+4. the engine's decode throughput per path (transformers' forward, the lean forward in float32, bf16, int8, and
+   int8 with every code in 8 bits where the engine keeps some in 4), interleaved --rounds times, with whether each
+   path's greedy tokens equal float32's.
 
     .venv/bin/python bench/cpu_layout.py
     .venv/bin/python bench/cpu_layout.py --rounds 3 --streams 1 8 32 --output-len 32
@@ -19,6 +21,7 @@ Each table side by side in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -28,12 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import enginecore  # noqa: E402,F401  (first: it sets the OpenMP wait policy before torch loads)
 import torch  # noqa: E402
+from enginecore.cpu_int8 import PackedInt8Linear, sixteen_values  # noqa: E402
 from enginecore.cpu_linear import (Bf16Linear, Float32Linear, OneDnnFloat32Linear,  # noqa: E402
                                    bf16_unavailable_reason, native_bf16)
 from enginecore.cpu_setup import (auto_choice, float32_layout, int8_kernels, int8_unavailable_reason,  # noqa: E402
-                                  product_shapes)
+                                  product_shapes, with_cpu_kernels)
 from enginecore.cpu_threads import set_cpu_threads  # noqa: E402
 from enginecore.engine import EngineCore  # noqa: E402
+from enginecore.lean_model import LeanLlama  # noqa: E402
 from enginecore.loader import load_model  # noqa: E402
 from ipc.config import ServeConfig  # noqa: E402
 from ipc.messages import EngineRequest  # noqa: E402
@@ -98,6 +103,9 @@ def _engine_kernels() -> dict:
         kinds["bf16"] = Bf16Linear
     # int8's kernels where they multiply right (where one runs but is wrong, its time means nothing)
     kinds.update({f"int8 {name}": kernel for name, kernel in int8_kernels().items()})
+    if "W8A32 (ours)" in int8_kernels():  # ours on a GGUF's Q4_1 blocks, as the embedded model's layers are
+        gen = torch.Generator().manual_seed(0)
+        kinds["int8 ours, 4-bit codes"] = lambda w: PackedInt8Linear(sixteen_values(*w.shape, gen))
     return kinds
 
 
@@ -163,7 +171,10 @@ def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) 
              for q in modes}
     lean = cores["none"].runner.lean_model
     paths = {"transformers f32": ("none", None), "lean f32": ("none", lean)}
-    paths.update({f"lean {q}": (q, None) for q in modes if q != "none"})
+    paths.update({f"lean {q}": (q, cores[q].runner.lean_model) for q in modes if q != "none"})
+    eight_bits = lean_with_8_bit_codes(loaded.model, cores.get("int8"))
+    if eight_bits is not None:
+        paths["lean int8, 8-bit codes"] = ("int8", eight_bits)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     print(f"\nengine decode, out tok/s (prompts of 32 tokens + {output_len} out, median of {rounds} interleaved "
@@ -175,16 +186,29 @@ def engine_paths(loaded, streams_list: list[int], rounds: int, output_len: int) 
         for r in range(rounds):
             for path, (quantization, lean_model) in paths.items():
                 core = cores[quantization]
-                if quantization == "none":
+                if lean_model is not None or quantization == "none":
                     core.runner.lean_model = lean_model
                 started = time.perf_counter()
                 out = core.generate([EngineRequest(f"{r}-{i}", p, params) for i, p in enumerate(prompts)])
                 rates[path].append(streams * output_len / (time.perf_counter() - started))
                 outputs[path] = [out[(f"{r}-{i}", 0)] for i in range(streams)]
         cores["none"].runner.lean_model = lean
+        if "int8" in cores:
+            cores["int8"].runner.lean_model = paths["lean int8"][1]
         cells = "  ".join(f"{p} {statistics.median(v):.1f} ({'same' if outputs[p] == outputs['transformers f32'] else 'differs'})"
                           for p, v in rates.items())
         print(f"{streams:>3} streams: {cells}")
+
+
+def lean_with_8_bit_codes(model: torch.nn.Module, int8_core: EngineCore | None) -> LeanLlama | None:
+    """The int8 engine's lean forward with every product's codes in 8 bits, where it keeps some in 4 (the same
+    codes, so the same tokens: what the 4-bit codes save, side by side); None where it keeps none in 4."""
+    lean = int8_core.runner.lean_model if int8_core is not None else None
+    if lean is None or not any(getattr(k, "bits", 8) == 4 for k in lean.linears()):
+        return None
+    eight = with_cpu_kernels(LeanLlama(model, functools.partial(PackedInt8Linear, bits=8)))
+    eight.quantization = lean.quantization
+    return eight
 
 
 def main() -> None:
@@ -196,8 +220,8 @@ def main() -> None:
     layout = float32_layout(loaded.model)
     print(f"float32 kernel chosen: {layout['kernel']} ({layout['why']})")
     mode, why = auto_choice(loaded.model, layout)
-    print(f"--quantization auto chooses {mode} for the embedded GGUF here (native bfloat16: {native_bf16()}; "
-          f"bf16 first where native and 10% faster than float32, else int8): {why}")
+    print(f"--quantization auto chooses {mode} for the embedded GGUF here (native bfloat16: {native_bf16()}; the "
+          f"most accurate mode 10% faster than float32: our int8, then bf16, then oneDNN's int8): {why}")
     bandwidth_and_ceilings(loaded.model)
     products(loaded.model, args.batch_sizes, args.slow_kernels)
     products_from_memory(loaded.model, args.batch_sizes)

@@ -67,7 +67,7 @@ class CpuDecodeLayers:
         return h
 
     def _table(self, cache) -> torch.Tensor:
-        """[layers, 12] int64: each layer's norms, products (packed weights, outputs) and K/V cache, in
+        """[layers, 16] int64: each layer's norms, products (packed weights, outputs, bits a code) and K/V cache, in
         csrc/decode_layers.c's order."""
         key = cache.tensor.data_ptr()
         if self._table_for is None or self._table_for[0] != key:  # one cache per engine: keep the latest's
@@ -76,10 +76,10 @@ class CpuDecodeLayers:
                 k_cache, v_cache, _, _ = cache.layer_addresses[layer.layer_idx]
                 row = [layer.input_norm.data_ptr()]
                 for kernel in (layer.qkv, layer.o):
-                    row += [kernel.packed.data_ptr(), kernel.out_features]
+                    row += [kernel.packed.data_ptr(), kernel.out_features, kernel.bits]
                 row += [layer.post_norm.data_ptr()]
                 for kernel in (layer.gate_up, layer.down):
-                    row += [kernel.packed.data_ptr(), kernel.out_features]
+                    row += [kernel.packed.data_ptr(), kernel.out_features, kernel.bits]
                 rows.append(row + [k_cache, v_cache])
             self._table_for = (key, torch.tensor(rows, dtype=torch.int64))
         return self._table_for[1]

@@ -5,7 +5,9 @@ The weights are stored as 8-bit codes per block of 32 columns of each output cha
 offset (w = scale * code + offset, the block's least and largest weight at codes 0 and 255): a model converted
 from a GGUF (Q4_1, Q5_1, Q8_0 blocks of 32) keeps its weights exactly, up to float rounding, and any other loses
 far less than with one scale per channel (on bench/quantization.py's prompts float32's greedy token at 100% of the
-positions, against 96.9% per channel). The activations stay float32. The kernel reads a little over a quarter of
+positions, against 96.9% per channel). Where every code of a weight is under 16 (a GGUF's Q4_1 or Q4_0 blocks, as
+the embedded model's layers are), two share a byte: the same products, 0.75 bytes a weight read instead of 1.25
+(code_bits). The activations stay float32. The kernel reads a little over a quarter of
 float32's weight bytes and widens each code in registers: on a 2-core AMD EPYC (Zen 2, AVX2, no VNNI), where
 oneDNN's int8 products come out wrong and torch's int8 weight-only kernel is 10-30x slower than float32, the whole
 SmolLM2-135M's products from memory took 7.3 / 24.1 / 62.6 ms at 1 / 8 / 32 rows against oneDNN float32's
@@ -28,10 +30,10 @@ BLOCK = 32  # columns per block of codes: csrc/int8_linear.c's BK
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's functions (ctypes would otherwise pass 64-bit sizes and pointers as C ints)."""
     lib.int8_block.argtypes, lib.int8_block.restype = [], ctypes.c_int
-    lib.int8_packed_bytes.argtypes, lib.int8_packed_bytes.restype = [_I, _I], ctypes.c_int64
+    lib.int8_packed_bytes.argtypes, lib.int8_packed_bytes.restype = [_I, _I, ctypes.c_int], ctypes.c_int64
     lib.int8_codes.argtypes, lib.int8_codes.restype = [_P, _I, _I, _P, _P, _P, ctypes.c_int], None
-    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P, ctypes.c_int], None
-    lib.int8_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
+    lib.int8_pack.argtypes, lib.int8_pack.restype = [_P, _P, _P, _I, _I, _P, ctypes.c_int, ctypes.c_int], ctypes.c_int
+    lib.int8_linear.argtypes = [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
     if lib.int8_block() != BLOCK:
         raise NativeUnavailable(f"the built kernel's blocks are of {lib.int8_block()} columns, not {BLOCK}")
@@ -75,19 +77,30 @@ def block_dequantized(weight: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.repeat_interleave(BLOCK, dim=1)[:, :cols] + offset.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
-class PackedInt8Linear(LinearKernel):
-    """W [out, in] as 8-bit codes per block, packed into the kernel's panels once; x [rows, in] float32."""
+def code_bits(codes: torch.Tensor) -> int:
+    """Bits a code the kernel keeps `codes` in: 4 where every one is under 16 (a weight from a GGUF's Q4_1 or Q4_0
+    blocks: their 16 values), else 8. Either way the same codes, scales and offsets, so the same products; at 4
+    bits a decode step reads 0.75 bytes a weight instead of 1.25."""
+    return 4 if codes.numel() and int(codes.max()) < 16 else 8
 
-    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL | None = None):
+
+class PackedInt8Linear(LinearKernel):
+    """W [out, in] as codes of 8 bits or fewer (code_bits) per block, packed into the kernel's panels once;
+    x [rows, in] float32."""
+
+    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL | None = None, bits: int | None = None):
         self.lib = lib or kernels()
         self.out_features, self.in_features = weight.shape
         codes, scale, offset = block_codes(weight, self.lib)
-        self.packed = torch.empty(self.lib.int8_packed_bytes(self.out_features, self.in_features), dtype=torch.uint8)
-        self.lib.int8_pack(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), self.out_features,
-                           self.in_features, self.packed.data_ptr(), torch.get_num_threads())
+        self.bits = bits or code_bits(codes)
+        self.packed = torch.empty(self.lib.int8_packed_bytes(self.out_features, self.in_features, self.bits),
+                                  dtype=torch.uint8)
+        if self.lib.int8_pack(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), self.out_features,
+                              self.in_features, self.packed.data_ptr(), self.bits, torch.get_num_threads()):
+            raise ValueError(f"the weight's codes do not fit in {self.bits} bits")
         # What every call passes, looked up once: a decode step makes over a hundred of these calls.
         self._product = self.lib.int8_linear
-        self._weights = (self.in_features, self.packed.data_ptr(), self.out_features)
+        self._weights = (self.in_features, self.packed.data_ptr(), self.out_features, self.bits)
 
     def __call__(self, x, residual=None):
         if not x.is_contiguous():
@@ -102,6 +115,14 @@ class PackedInt8Linear(LinearKernel):
         return y
 
 
+def packed_summary(kernels: list) -> str:
+    """How our int8 kernel keeps a model's products, for the log: how many at 4 bits a code, and their bytes."""
+    ours = [k for k in kernels if isinstance(k, PackedInt8Linear)]
+    four = sum(k.bits == 4 for k in ours)
+    megabytes = sum(k.packed.numel() for k in ours) / 2**20
+    return f"{four} of {len(ours)} products in 4-bit codes (16 values a block), packed weights {megabytes:.0f} MiB"
+
+
 @functools.cache
 def packed_int8_unavailable_reason() -> str | None:
     """Why `PackedInt8Linear` cannot run here, or None: no compiler, or a build that multiplies wrong."""
@@ -110,10 +131,19 @@ def packed_int8_unavailable_reason() -> str | None:
     except NativeUnavailable as exc:
         return f"our int8 kernel cannot be built here: {exc}"
     gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(40, 24, generator=gen), torch.randn(9, 24, generator=gen)
-    exact = x @ block_dequantized(w).T
-    for rows in (1, 9):  # both of its paths
-        got = PackedInt8Linear(w)(x[:rows])
-        if not torch.allclose(got, exact[:rows], rtol=1e-4, atol=1e-4):
-            return f"our int8 kernel multiplies wrong here (off by {(got - exact[:rows]).abs().max().item():g})"
+    x = torch.randn(9, 24, generator=gen)
+    for w in (torch.randn(40, 24, generator=gen), sixteen_values(40, 24, gen)):  # 8 and 4 bits a code
+        exact = x @ block_dequantized(w).T
+        for rows in (1, 9):  # both of its paths
+            got = PackedInt8Linear(w)(x[:rows])
+            if not torch.allclose(got, exact[:rows], rtol=1e-4, atol=1e-4):
+                return f"our int8 kernel multiplies wrong here (off by {(got - exact[:rows]).abs().max().item():g})"
     return None
+
+
+def sixteen_values(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight on Q4_1's grid in every block (its 16 values, the least and the largest in each), whose codes the
+    kernel keeps in 4 bits."""
+    codes = torch.randint(0, 16, (rows, cols), generator=gen).float()
+    codes[:, ::BLOCK], codes[:, 1::BLOCK] = 0, 15
+    return codes * 0.01 - 0.05

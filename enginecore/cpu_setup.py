@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from enginecore import cpu_attention
-from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason
+from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason, packed_summary
 from enginecore.cpu_decode_layers import CpuDecodeLayers
 from enginecore.cpu_layer_ops import layer_ops
 from enginecore.cpu_linear import (FLOAT32_KERNELS, Bf16Linear, Int8Linear, bf16_unavailable_reason, native_bf16,
@@ -134,11 +134,20 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
         cached[key] = LeanLlama(model, kernel, make_head=FLOAT32_KERNELS[layout["kernel"]]
                                 if quantization == "bf16" else None)
     cached[key].quantization = quantization
-    cached[key].cpu_ops = layer_ops()
-    cached[key].cpu_decode_layers = CpuDecodeLayers.for_model(cached[key]) if cached[key].cpu_ops else None
+    with_cpu_kernels(cached[key])
+    if kernel is PackedInt8Linear:
+        described += f"; {packed_summary(cached[key].linears())}"
     log.info("CPU: lean Llama forward, products %s%s", described, f"; --quantization auto chose {quantization}: {why}"
              if why else "")
     return cached[key]
+
+
+def with_cpu_kernels(lean: LeanLlama) -> LeanLlama:
+    """`lean` with our C kernels of the layers' small ops, and its decode steps' layers in one C call, where they
+    build and apply."""
+    lean.cpu_ops = layer_ops()
+    lean.cpu_decode_layers = CpuDecodeLayers.for_model(lean) if lean.cpu_ops else None
+    return lean
 
 
 def mode_kernel(model: torch.nn.Module, quantization: str, layout: dict | None) -> tuple[Callable, str]:

@@ -1,7 +1,7 @@
 """Our int8 kernel (enginecore/csrc/int8_linear.c through enginecore.cpu_int8): every product equals float32's
 with the same 8-bit weights, on every path of the kernel (one row, a few rows widened in registers, tiles over a
 widened panel, columns past a chunk or a block, channels past a panel), as built for this CPU and as plain C; a
-GGUF-shaped weight (16 values a block) is kept exactly; the codes (csrc/int8_codes.h) equal those of the same steps
+GGUF-shaped weight (16 values a block) is kept exactly, in 4-bit codes with the 8-bit ones' products; the codes (csrc/int8_codes.h) equal those of the same steps
 in torch; bit for bit whatever the thread count; and without a compiler it says why, and the engine falls back or
 refuses in one line."""
 import ctypes
@@ -15,7 +15,7 @@ import pytest
 import torch
 from enginecore import native
 from enginecore.cpu_int8 import (BLOCK, PackedInt8Linear, bind, block_codes, block_dequantized, kernels,
-                                 packed_int8_unavailable_reason)
+                                 packed_int8_unavailable_reason, sixteen_values)
 from enginecore.cpu_linear import onednn_int8_unavailable_reason
 
 from tests.supervise_process import SUPERVISE, model_cache_without_native_builds
@@ -43,8 +43,35 @@ def product_error(kernel: PackedInt8Linear, weight: torch.Tensor, rows: int, res
 def test_every_product_equals_float32_with_the_same_int8_weights(rows, fan_in, fan_out):
     weight = torch.randn(fan_out, fan_in, generator=torch.Generator().manual_seed(fan_in)) * 0.05
     kernel = PackedInt8Linear(weight)
+    assert kernel.bits == 8
     for residual in (False, True):
         assert product_error(kernel, weight, rows, residual) < 1e-5
+
+
+@pytest.mark.parametrize("rows, fan_in, fan_out", SHAPES)
+def test_a_weight_of_16_values_a_block_is_kept_in_4_bits_with_the_same_products(rows, fan_in, fan_out):
+    """Q4_1's blocks (16 values) take 4-bit codes, 0.6 of the 8-bit ones' bytes: the products equal float32's
+    with the weight itself, and the same codes kept in 8 bits give them bit for bit, on every path."""
+    weight = sixteen_values(fan_out, fan_in, torch.Generator().manual_seed(fan_in))
+    four, eight = PackedInt8Linear(weight), PackedInt8Linear(weight, bits=8)
+    assert (four.bits, eight.bits) == (4, 8)
+    assert four.packed.numel() == eight.packed.numel() * 384 // 640  # a block: 128 bytes of scales, then codes
+    x = torch.randn(rows, fan_in, generator=torch.Generator().manual_seed(rows))
+    r = torch.randn(rows, fan_out, generator=torch.Generator().manual_seed(rows + 1))
+    for residual in (None, r):
+        got = four(x, residual=residual)
+        assert torch.equal(got, eight(x, residual=residual))
+        exact = x.double() @ weight.double().T + (0 if residual is None else residual.double())
+        assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+
+
+def test_codes_past_15_are_refused_in_4_bits():
+    """The packing checks what it is given: a code that does not fit in 4 bits is not cut to its low bits."""
+    weight = sixteen_values(20, 70, torch.Generator().manual_seed(0))
+    weight[3, 40] = 1.0  # off its block's grid: the block's range in 255 steps
+    assert PackedInt8Linear(weight).bits == 8
+    with pytest.raises(ValueError, match="do not fit in 4 bits"):
+        PackedInt8Linear(weight, bits=4)
 
 
 def test_a_weight_of_gguf_blocks_is_kept_exactly():
@@ -212,8 +239,10 @@ def test_the_plain_c_path_equals_float32_too(tmp_path):
                     str(native.SOURCES / "int8_linear.c")], check=True, timeout=120)
     plain = bind(ctypes.CDLL(str(library)))
     for rows, fan_in, fan_out in [(1, 577, 17), (7, 300, 96), (33, 8, 16)]:
-        weight = torch.randn(fan_out, fan_in) * 0.05
-        assert product_error(PackedInt8Linear(weight, lib=plain), weight, rows, residual=True) < 1e-5
+        for weight in (torch.randn(fan_out, fan_in) * 0.05, sixteen_values(fan_out, fan_in, torch.Generator())):
+            kernel = PackedInt8Linear(weight, lib=plain)
+            assert kernel.bits == (4 if weight.unique().numel() <= 16 else 8)
+            assert product_error(kernel, weight, rows, residual=True) < 1e-5
 
 
 def test_the_built_library_is_kept_and_loaded_again_without_a_build(tmp_path):
@@ -259,6 +288,8 @@ def test_the_engine_uses_it_where_it_is_int8s_kernel():
     lean = engine.runner.lean_model
     assert all(isinstance(k, PackedInt8Linear) for k in lean.linears())
     assert kernels() is lean.head.lib
+    # the embedded GGUF's layers are Q4_1 blocks (4-bit codes), its LM head Q8_0 (8-bit)
+    assert [k.bits for k in lean.linears()] == [4] * (len(lean.linears()) - 1) + [8]
 
 
 def test_a_build_directory_others_can_write_to_is_not_used(tmp_path):

@@ -3,6 +3,7 @@ they stand in for, on shapes that reach every loop and tail (rows, heads per KV 
 multiples of 8 or 32, contexts that end mid-block), as built for this CPU and as plain C; and the engine's greedy
 tokens equal transformers' both with them and with torch's ops (the path of a machine without a compiler)."""
 import ctypes
+import functools
 import os
 import platform
 import subprocess
@@ -139,14 +140,20 @@ def test_the_cpu_engine_runs_our_kernels():
 
 def test_a_decode_step_in_one_call_gives_the_layer_by_layer_logits_bit_for_bit(prompts, monkeypatch):
     """csrc/decode_layers.c runs the same kernels in the same order as the lean forward's layers: every step's
-    logits are equal, not just close."""
+    logits are equal, not just close. The embedded model's layers are a GGUF's Q4_1 blocks, kept in 4-bit codes;
+    the same codes in 8 bits give the same logits too, in one call and layer by layer."""
     from enginecore.cpu_decode_layers import CpuDecodeLayers
+    from enginecore.cpu_int8 import PackedInt8Linear
+    from enginecore.cpu_setup import with_cpu_kernels
+    from enginecore.lean_model import LeanLlama
 
     engine = make_engine(quantization="int8", enable_prefix_caching=False, max_num_seqs=4)
-    lean = engine.runner.lean_model
-    fused = lean.cpu_decode_layers
-    if fused is None:
+    four = engine.runner.lean_model
+    if four.cpu_decode_layers is None:
         pytest.skip("int8's products are not our kernel's here (oneDNN's W8A8 timed faster)")
+    assert [k.bits for k in four.linears()] == [4] * (len(four.linears()) - 1) + [8]  # the LM head: Q8_0's range
+    eight = with_cpu_kernels(LeanLlama(engine.loaded.model, functools.partial(PackedInt8Linear, bits=8)))
+    assert {k.bits for k in eight.linears()} == {8} and eight.cpu_decode_layers is not None
     calls = []
     call = CpuDecodeLayers.__call__
     monkeypatch.setattr(CpuDecodeLayers, "__call__", lambda *a: calls.append(a[1].shape[0]) or call(*a))
@@ -155,18 +162,23 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_logits_bit_for_bit(p
     monkeypatch.setattr(engine.runner, "forward", lambda inputs: logits.append(forward(inputs).clone()) or logits[-1])
     runs = []
     try:
-        for one_call in (True, False):
-            lean.cpu_decode_layers = fused if one_call else None
-            logits.clear()
-            out = engine.generate([greedy_request(f"r{i}", p, 10) for i, p in enumerate(prompts[:6])])
-            runs.append((out, list(logits)))
+        for lean in (four, eight):
+            engine.runner.lean_model = lean
+            fused = lean.cpu_decode_layers
+            for one_call in (True, False):
+                lean.cpu_decode_layers = fused if one_call else None
+                logits.clear()
+                out = engine.generate([greedy_request(f"r{i}", p, 10) for i, p in enumerate(prompts[:6])])
+                runs.append((out, list(logits)))
+            lean.cpu_decode_layers = fused
     finally:
-        lean.cpu_decode_layers = fused
-    (out_one, logits_one), (out_layers, logits_layers) = runs
-    assert out_one == out_layers
-    assert len(logits_one) == len(logits_layers) > 10
-    assert all(torch.equal(a, b) for a, b in zip(logits_one, logits_layers))
-    assert len(calls) > 5 and max(calls) == 4  # the first run's decode steps, up to 4 rows, went through it
+        engine.runner.lean_model = four  # the model's lean forward is shared between engines
+    (out_one, logits_one) = runs[0]
+    for out, logits_other in runs[1:]:
+        assert out == out_one
+        assert len(logits_other) == len(logits_one) > 10
+        assert all(torch.equal(a, b) for a, b in zip(logits_one, logits_other))
+    assert len(calls) > 10 and max(calls) == 4  # each one-call run's decode steps, up to 4 rows, went through it
 
 
 def test_a_machine_without_a_compiler_serves_on_torchs_ops(tmp_path):

@@ -12,7 +12,9 @@
 #include "layer_ops.c"
 
 /* One layer's weights and cache, as the addresses and sizes of `table`'s row (int64 each, in this order). */
-enum { INPUT_NORM, QKV, QKV_OUT, O, O_OUT, POST_NORM, GATE_UP, GATE_UP_OUT, DOWN, DOWN_OUT, K_CACHE, V_CACHE, LAYER_FIELDS };
+/* Each product: its packed weights, its output channels and its bits a code. */
+enum { INPUT_NORM, QKV, QKV_OUT, QKV_BITS, O, O_OUT, O_BITS, POST_NORM, GATE_UP, GATE_UP_OUT, GATE_UP_BITS, DOWN,
+       DOWN_OUT, DOWN_BITS, K_CACHE, V_CACHE, LAYER_FIELDS };
 
 #define AT(type, field) ((type)(intptr_t)row[field])
 
@@ -35,17 +37,21 @@ int decode_layers(float *h, int64_t rows, const int64_t *table, int layers, int 
     for (int l = 0; l < layers && !failed; l++) {
         const int64_t *row = table + (int64_t)l * LAYER_FIELDS;
         rms_norm(h, hidden, rows, hidden, AT(const float *, INPUT_NORM), eps, x, threads);
-        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, QKV), row[QKV_OUT], 0, qkv, threads);
+        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, QKV), row[QKV_OUT], (int)row[QKV_BITS], 0, qkv,
+                              threads);
         rope_store(qkv, rows, heads, kv_heads, d, cos, sin, slots, q, AT(float *, K_CACHE), AT(float *, V_CACHE),
                    threads);
         failed |= decode_attention(q, attn_width, AT(const float *, K_CACHE), AT(const float *, V_CACHE), tables,
                                    max_blocks, lengths, rows, heads, kv_heads, d, block_size, scale, attn, threads);
         /* h += o(attn): each element's residual is read before it is written */
-        failed |= int8_linear(attn, rows, attn_width, AT(const uint8_t *, O), row[O_OUT], h, h, threads);
+        failed |= int8_linear(attn, rows, attn_width, AT(const uint8_t *, O), row[O_OUT], (int)row[O_BITS], h, h,
+                              threads);
         rms_norm(h, hidden, rows, hidden, AT(const float *, POST_NORM), eps, x, threads);
-        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, GATE_UP), row[GATE_UP_OUT], 0, gate_up, threads);
+        failed |= int8_linear(x, rows, hidden, AT(const uint8_t *, GATE_UP), row[GATE_UP_OUT], (int)row[GATE_UP_BITS], 0,
+                              gate_up, threads);
         silu_mul(gate_up, rows, intermediate, act, threads);
-        failed |= int8_linear(act, rows, intermediate, AT(const uint8_t *, DOWN), row[DOWN_OUT], h, h, threads);
+        failed |= int8_linear(act, rows, intermediate, AT(const uint8_t *, DOWN), row[DOWN_OUT], (int)row[DOWN_BITS], h, h,
+                              threads);
     }
     free(x);
     free(qkv);
