@@ -15,7 +15,10 @@ A 408 goes out only where no response has started; otherwise the connection just
 
 A request that uvicorn's parser (httptools) refuses (two Content-Lengths, Content-Length with chunked, a bad
 chunk size, an unknown method, a header line or URL malformed, TLS or HTTP/2 bytes) gets a 400,
-then the connection closes: uvicorn's own answer is plain text. Both it and the 408 are `ConnectionAnswer`s:
+then the connection closes: uvicorn's own answer is plain text. Where such bytes follow requests already read on
+the connection (pipelined, or a stray byte after a body whose Content-Length was one short), those requests are
+answered first, then the 400, as nginx does (RFC 9112 9.3): before, the connection closed at once, and the answer
+of the request in flight was lost with it. Both it and the 408 are `ConnectionAnswer`s:
 the OpenAI error body with `Connection: close`, counted in /metrics like the app's answers (README: "counts
 every answer by status class, whoever made it"), except where the app already runs the request: then it
 reads a disconnect, and its own answer is the one counted.
@@ -117,6 +120,7 @@ class HttpConnection(HttpToolsProtocol):
         self._header_bytes = 0  # of the request being read: its URL and header lines, as the parser hands them over
         self._reads_without_body = 0  # bytes read since the request began (after its first read) or since its last body bytes
         self._upgrade_asked = False  # the request being read asks to switch protocols (ignored_upgrade.py)
+        self._last_answer: ConnectionAnswer | None = None  # ours, once the requests read before it are answered
 
     # Connection.
     def connection_made(self, transport) -> None:
@@ -240,6 +244,11 @@ class HttpConnection(HttpToolsProtocol):
         # 20 s: 1.3 GB). Reading waits until the queue is empty; what one read brings is parsed, no more.
         if self.pipeline:
             self.flow.pause_reading()
+        elif self._last_answer is not None and (self.cycle is None or self.cycle.response_complete):
+            answer, self._last_answer = self._last_answer, None
+            self._write_answer(answer, counted=True)
+            self._unset_keepalive_if_required()  # (uvicorn's idle timer, just armed: the linger ends the connection)
+            self.linger()  # what the client sent after its requests was read and dropped: it may still send
 
     # The lingering close (apiserver/lingering_close.py).
     def linger(self) -> None:
@@ -316,16 +325,26 @@ class HttpConnection(HttpToolsProtocol):
             answerable = not cycle.response_started
             cycle.disconnected = True  # what it sends now goes nowhere; it reads a disconnect
             cycle.message_event.set()
-        else:  # the app never saw this request; a response to the previous one may still be going out
-            answerable = cycle is None or cycle.response_complete
+        elif cycle is not None and not cycle.response_complete:
+            # The app never saw this request, and requests read before it are not all answered yet: they are
+            # answered first (on_response_complete then makes this answer), and nothing more is parsed.
+            self._last_answer = answer
+            self._reading_since = None
+            self.parser = DiscardingParser(_nothing)
+            return
+        else:
+            answerable = True
         if answerable:
-            if not app_runs and self._policy.count_status is not None:  # (else the app's answer is counted)
-                self._policy.count_status(answer.status)
-            self.transport.write(answer.raw)
+            self._write_answer(answer, counted=not app_runs)  # (where the app runs it, its answer is counted)
         if linger:
             self.linger()
         else:
             self.transport.close()
+
+    def _write_answer(self, answer: ConnectionAnswer, counted: bool) -> None:
+        if counted and self._policy.count_status is not None:
+            self._policy.count_status(answer.status)
+        self.transport.write(answer.raw)
 
 
 def _nothing() -> None:

@@ -298,6 +298,43 @@ def test_connect_is_refused(short_timeouts):
     assert b'"invalid_http_request"' in answer
 
 
+def completion(stream: bool, extra: bytes = b"") -> bytes:
+    body = json.dumps({"model": "sim:10", "prompt": "hi", "max_tokens": 20, "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+            b"\r\n\r\n" % len(body)) + body + extra
+
+
+@pytest.mark.parametrize("after", [b" ", b"\x16\x03\x01\x02\x00junk\r\n\r\n"], ids=["stray byte", "TLS bytes"])
+def test_bytes_the_parser_refuses_after_requests_are_answered_after_them(short_timeouts, after):
+    """As nginx (RFC 9112 9.3): the requests read before them are answered, then the 400, then the connection
+    closes. Before, it closed at once: the answer of the request in flight was lost, and no 400 either (a client
+    whose Content-Length was one short got nothing at all)."""
+    conn = connect(short_timeouts)
+    conn.sendall(HEALTH + completion(stream=False) + after)  # pipelined, all in one write
+    data, _ = read_until_closed(conn)
+    conn.close()
+    answers = re.split(rb"HTTP/1\.1 (?=\d{3} [A-Z])", data)[1:]  # (the 400's message names HTTP/1.1 too)
+    assert [a[:3] for a in answers] == [b"200", b"200", b"400"], data[:2000]
+    assert json.loads(answers[1].partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 20
+    assert b'"invalid_http_request"' in answers[2]
+
+
+def test_bytes_the_parser_refuses_during_a_stream_let_it_finish(short_timeouts):
+    """Sent while a stream runs (here 20 tokens at 10 ms each), they wait for its end: every token, [DONE], the
+    400, then the close."""
+    conn = connect(short_timeouts)
+    conn.sendall(completion(stream=True))
+    data = b""
+    while b"data: " not in data:  # streaming
+        data += conn.recv(65536)
+    conn.sendall(b"junk\r\n\r\n")
+    data += read_until_closed(conn)[0]
+    conn.close()
+    stream, _, rest = data.partition(b"data: [DONE]")
+    assert rest.lstrip(b"\r\n").startswith(b"0\r\n\r\nHTTP/1.1 400") and b'"invalid_http_request"' in rest, data[-800:]
+    assert stream.count(b"data: ") >= 10
+
+
 def test_a_stalled_body_gets_408_then_close(short_timeouts):
     conn = connect(short_timeouts)
     body = b'{"model": "sim:10", "prompt": "x", "max_tokens": 1}'
