@@ -18,6 +18,7 @@ constrained row under its own mask, so that only the culprits' requests fail.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +107,7 @@ class Sampler:
 
         self._apply_logit_bias(logits, seqs, biased)
         self._apply_penalties(logits, seqs, penalized)
-        self._apply_min_tokens(logits, seqs, barred)
+        self._apply_min_tokens(logits, seqs, barred, allowed.rows if allowed is not None else ())
 
         if all(greedy):
             tokens = _argmax(logits)
@@ -172,11 +173,24 @@ class Sampler:
                 counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                          constrained: Collection[int]) -> None:
+        """min_tokens bars the end (EOS, stop ids) from `rows`. On a constrained row whose grammar allows nothing
+        but the end here (a regex "" or a choice of "", at once), the grammar wins and the row may end: barred,
+        every token would be -inf, and the token drawn (the vocabulary's last) one the grammar refuses, failing
+        the request with a grammar error. A grammar that completes later ends its output the same way."""
         for i in rows:
             barred = self._min_tokens_barred(seqs[i], logits)
-            if barred.numel():
-                logits[i].index_fill_(0, barred, float("-inf"))
+            if not barred.numel():
+                continue
+            row = logits[i]
+            if i not in constrained:
+                row.index_fill_(0, barred, float("-inf"))
+                continue
+            unbarred = row.clone()
+            row.index_fill_(0, barred, float("-inf"))
+            # Without reading the verdict back (a device sync): the row as it was where nothing else is left.
+            row.copy_(torch.where(row.amax() == float("-inf"), unbarred, row))
 
     def _min_tokens_barred(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """The ids `seq` may not end with yet, on the device, made once (a request may list the whole vocabulary

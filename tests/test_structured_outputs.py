@@ -118,6 +118,23 @@ def test_choice_and_grammar(client, model):
     assert done.choices[0].text in ("yes", "no")
 
 
+@pytest.mark.parametrize("constraint, answer", [({"regex": ""}, ""), ({"choice": [""]}, ""), ({"regex": "ab"}, "ab")])
+def test_min_tokens_yields_to_a_grammar_that_must_end(client, model, constraint, answer):
+    """The grammar's output is complete (at once, or after two letters): the answer ends there, min_tokens or
+    not, streamed or not. Before, a grammar that allowed only the end at once with min_tokens barring it left
+    no token possible: the engine drew one the grammar refused, and the request failed with a grammar error."""
+    question = [{"role": "user", "content": "Say something."}]
+    for stream in (False, True):
+        args = dict(model=model, messages=question, max_tokens=6, temperature=1.0, seed=3, stream=stream,
+                    extra_body={"structured_outputs": constraint, "min_tokens": 4})
+        if stream:
+            text, finish = _streamed_chat(client.chat.completions.create(**args))
+        else:
+            reply = client.chat.completions.create(**args)
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert (text, finish) == (answer, "stop"), (constraint, stream)
+
+
 def test_logprobs_are_of_the_masked_distribution(client, model):
     question = [{"role": "user", "content": "Name a city."}]
     reply = client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0, logprobs=True,
