@@ -13,7 +13,7 @@ from starlette.responses import HTMLResponse, Response
 
 from apiserver.context import ServerContext
 from apiserver.engine_errors import EngineDeadError
-from apiserver.errors import as_api_error, error_response
+from apiserver.errors import ModelNotFound, as_api_error, error_response
 from apiserver.middleware import api_key_of
 from apiserver.openapi import DOCS_PAGE, openapi_schema, package_version
 
@@ -30,10 +30,21 @@ class InfoRoutes:
         self._openapi: bytes | None = None
 
     async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """One model's card (OpenAI's GET /v1/models/{model}, the openai package's models.retrieve): the served
+        one, else 404 model_not_found. vLLM has no such route."""
+        name = request.path_params["model"]
+        if name != self.ctx.model_name:
+            raise ModelNotFound(name)
+        return json_response(self._card())
+
+    def _card(self) -> dict:
         """vLLM's model card: `root` is the model's path (as given, or the embedded model's directory),
         `permission` the one permission object OpenAI's old model objects carried."""
         ctx = self.ctx
-        card = {
+        return {
             "id": ctx.model_name,
             "object": "model",
             "created": ctx.created,
@@ -48,7 +59,6 @@ class InfoRoutes:
                 "group": None, "is_blocking": False,
             }],
         }
-        return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
         # 503 from the first missed engine ping, not only once the engine is dead: a frozen engine would

@@ -2,6 +2,7 @@
 network access at all (no CDN: servers often run where the internet is out of reach)."""
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
 
 from pydantic.json_schema import models_json_schema
@@ -77,9 +78,14 @@ def openapi_schema(routes: list[tuple[str, str, str]], api_key: bool) -> dict:
     }
     paths: dict = {}
     for path, method, summary in routes:
+        path = re.sub(r"\{(\w+):\w+\}", r"{\1}", path)  # Starlette's converters ({model:path}) are not OpenAPI's
         operation = {"summary": summary, "responses": _responses(summary, 400, 401, 404, 503)}
         if path in bodies and method == "post":
             operation["requestBody"] = _body(bodies[path])
+        parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                      for name in re.findall(r"\{(\w+)\}", path)]
+        if parameters:
+            operation["parameters"] = parameters
         paths.setdefault(path, {})[method] = operation
     spec = {
         "openapi": "3.1.0",

@@ -66,6 +66,7 @@ def route_table(ctx: ServerContext) -> list[tuple[str, object, list[str], str]]:
         ("/v1/responses", ResponsesServing(chat).create, ["POST"], "Create a response (OpenAI's Responses API; "
                                                                       "nothing stored)"),
         ("/v1/models", info.models, ["GET"], "List the served model"),
+        ("/v1/models/{model:path}", info.model, ["GET"], "The served model's card (404 for any other)"),
         ("/health", info.health, ["GET"], "200 while the engine is alive, else 503"),
         ("/ping", info.health, ["GET", "POST"], "SageMaker health check: as /health"),
         ("/invocations", Invocations(chat, completion).create, ["POST"], "SageMaker: chat or completion by the body's shape"),

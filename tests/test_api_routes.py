@@ -2,6 +2,7 @@
 import re
 
 import httpx
+import openai
 import pytest
 
 from tests.supervise_process import Supervise
@@ -35,6 +36,21 @@ def test_models(http):
     (permission,) = card["permission"]  # what clients reading vLLM's cards expect
     assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
     assert permission["id"].startswith("modelperm-") and permission["organization"] == "*"
+
+
+def test_one_model_by_its_name(full, http):
+    """OpenAI's GET /v1/models/{model}, as the openai package's models.retrieve asks it: the served model's card,
+    the list's own; any other name a 404 model_not_found."""
+    client = openai.OpenAI(base_url=full.url + "/v1", api_key="unused", max_retries=0)
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    assert http.get(f"/v1/models/{MODEL}").json() == http.get("/v1/models").json()["data"][0]
+    for other in ("gpt-4o", "org/some-model", MODEL + "x"):
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.models.retrieve(other)
+        assert refused.value.body["code"] == "model_not_found" and other in refused.value.body["message"]
+    spec = http.get("/openapi.json").json()
+    assert spec["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
 
 
 def test_health_and_ping(http):
