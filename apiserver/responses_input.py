@@ -2,7 +2,8 @@
 renders, constrains and parses both.
 
 The input's items become chat messages: `instructions` a system message before them; an assistant message and
-the function calls after it one assistant message with `tool_calls`; each function call output a tool message; a
+the function calls after it one assistant message with `tool_calls`; each function call output a tool message (its
+call earlier in the input, as OpenAI requires: nothing is stored here to find it in); a
 reasoning item the `reasoning_content` of the assistant turn after it (dropped when none follows). Tools, the tool
 choice and `text.format` map field for field onto the chat request's tools, tool_choice and response_format.
 """
@@ -48,6 +49,7 @@ def messages(req: ResponsesRequest) -> list[ChatMessage]:
         out.append(ChatMessage.model_construct(role="user", content=req.input))
         return out
     reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
+    calls: set[str] = set()  # the call_ids of the function calls so far
     for index, item in enumerate(req.input):
         if isinstance(item, ReasoningItem):
             reasoning = _reasoning_text(item)
@@ -57,6 +59,7 @@ def messages(req: ResponsesRequest) -> list[ChatMessage]:
                 message.reasoning_content, reasoning = reasoning, None
             out.append(message)
         elif isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
             call = ToolCall.model_construct(id=item.call_id, type="function", function=ToolCallFunction.model_construct(
                 name=item.name, arguments=item.arguments))
             last = out[-1] if out else None
@@ -67,6 +70,10 @@ def messages(req: ResponsesRequest) -> list[ChatMessage]:
                                                        reasoning_content=reasoning))
                 reasoning = None
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:  # (nothing is stored here: its call must be in this input, before it)
+                raise InvalidRequest(f"No tool call found for function call output with call_id `{item.call_id}`: "
+                                     f"a `function_call` item with that call_id must come before it in `input`.",
+                                     param=f"input.{index}.call_id")
             out.append(ChatMessage.model_construct(role="tool", content=_text(item.output),
                                                    tool_call_id=item.call_id))
         else:  # the model's discriminator admits no other item

@@ -135,7 +135,10 @@ def response_usage(generation: Generation, reasoning_tokens: int) -> dict:
     prompt, completion = generation.num_prompt_tokens, generation.num_completion_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": generation.num_cached_tokens},
+        # cache_write_tokens: input written to a cache kept for a price and a time (OpenAI's extended retention);
+        # the prefix cache here keeps what it can for free, as OpenAI's automatic caching, which writes none.
+        # The openai package (3.63) declares the field required.
+        "input_tokens_details": {"cached_tokens": generation.num_cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt + completion,

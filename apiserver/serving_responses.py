@@ -5,6 +5,8 @@ its typed events (apiserver/responses_stream.py). Nothing is stored: there is no
 response, and no `previous_response_id`."""
 from __future__ import annotations
 
+import re
+
 from starlette.requests import Request
 
 from apiserver.chat_output import message
@@ -33,7 +35,10 @@ class ResponsesServing:
         self.ctx = chat.ctx
 
     async def create(self, request: Request):
-        req = await parse_request_body(ResponsesRequest, await request_body(request))
+        try:
+            req = await parse_request_body(ResponsesRequest, await request_body(request))
+        except ApiError as exc:
+            raise _without_format_tag(exc) from None
         try:
             generation, shape, top_n = await self._chat.prepare(request, chat_request(req))
         except ApiError as exc:
@@ -77,6 +82,18 @@ class ResponsesServing:
         reasoning."""
         renderer = self.ctx.renderer  # None only in a gRPC API server, which has no such route
         return len(renderer.encode(text, add_special_tokens=False)) if text and renderer is not None else 0
+
+
+# pydantic puts the branch of `text.format` (its `type`) in an error's location: `text.format.json_schema.name`.
+_FORMAT_TAG = re.compile(r"\btext\.format\.(?:text|json_object|json_schema)\b")
+
+
+def _without_format_tag(error: ApiError) -> ApiError:
+    """`error` naming the field where the request has it: `text.format.name` (the format's fields sit in it)."""
+    if error.param and _FORMAT_TAG.match(error.param):
+        error.param = _FORMAT_TAG.sub("text.format", error.param)
+        error.message = _FORMAT_TAG.sub("text.format", error.message)
+    return error
 
 
 def _renamed(error: ApiError) -> ApiError:

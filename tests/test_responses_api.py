@@ -37,6 +37,8 @@ def test_text_whole_and_streamed(served):
     usage = whole.usage
     assert usage.input_tokens > 10 and 0 < usage.output_tokens <= 12
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.input_tokens_details.cache_write_tokens == 0  # a field the openai package requires
+    type(whole).model_validate(whole.model_dump())  # every field its types require, of the right type
     assert whole.instructions == "Answer in one word." and whole.store is False
     assert whole.completed_at >= whole.created_at
 
@@ -119,6 +121,20 @@ def test_forced_function_call_and_its_output(served_with_tools):
     ({"input": [{"type": 5, "content": "hi"}]}, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
     ({"input": [{"type": "function_call_output", "call_id": "", "output": "5"}]}, "input.0.call_id"),
+    # An output whose call is not in the input (none, another, or after it): OpenAI's 400 too.
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c1", "output": "5"}]},
+     "input.1.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c2", "output": "5"}]}, "input.1.call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "5"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}]},
+     "input.0.call_id"),
+    # The format's own fields, where the request has them (not under pydantic's branch name, json_schema).
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "yes"}}},
+     "text.format.strict"),
+    ({"input": "hi", "text": {"format": {"type": "json_object", "extra": 1}}}, "text.format.extra"),
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "thinking"}]}]}, "input"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
@@ -149,6 +165,7 @@ def test_refused_with_the_field_named(served, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert "Traceback" not in error["message"] and "response_format" not in error["message"]
+    assert ".json_schema." not in error["message"]
 
 
 LOGPROBS = ["message.output_text.logprobs"]
