@@ -110,7 +110,8 @@ def _positive(click_context, param, value):
               type=click.Choice(["auto", "none", "bf16", "int8"]),
               help="Matrix products on the CPU (the rest stays float32): none (float32 weights), bf16 (bfloat16 "
                    "weights and inputs), int8 (8-bit weights by our kernel, built with the machine's C compiler: "
-                   "codes per block of 32 columns that hold a GGUF's weights exactly, float32 activations; or "
+                   "codes per block of 32 columns that hold a GGUF's weights exactly, two to a byte where a "
+                   "block has 16 values (Q4_1, Q4_0), float32 activations; or "
                    "oneDNN's, per channel, where that is much faster). auto: for a GGUF model (the embedded one) "
                    "the most accurate mode that beats float32 by 10% at start-up (int8 by our kernel, else bf16 "
                    "where the CPU has native bfloat16, else oneDNN's int8); otherwise none. See README.")
