@@ -46,6 +46,10 @@ def wait_until_ready(
     try:
         while pending:
             for event in events.wait([c for c in pending.values() if c is not None]):
+                if not pending and isinstance(event, TimerFired):
+                    # All ready, within the batch of events that held a timer too (a supervisor paused or short of
+                    # CPU sees the deadline and the last "ready" at once): it came too late to count.
+                    continue
                 if isinstance(event, ChildReady) and event.child.name in pending:
                     if isinstance(event.record, EngineFailed):
                         raise StartupFailed(event.record.message, exit_code=2 if event.record.user_error else 1)

@@ -310,6 +310,26 @@ def test_second_sigterm_stops_at_once(start_supervise):
     assert wait_gone(children, 5) == []
 
 
+def test_ready_servers_are_not_failed_by_a_deadline_seen_with_them():
+    """A supervisor paused (a VM stopped, a CPU-starved host) past --api-server-ready-timeout while its API
+    servers became ready sees their readiness and the deadline at once: the group serves. Before, the deadline
+    was handled after the last "ready" all the same: "not ready after 3 s" naming nobody, exit 1."""
+    server = Supervise(*SIM, "--api-server-ready-timeout", "3")
+    try:
+        deadline = time.monotonic() + 60
+        while "started ApiServer_0" not in server.log():
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()[-2000:]
+            time.sleep(0.01)
+        server.signal(signal.SIGSTOP)
+        time.sleep(5)  # the API server gets ready meanwhile; the supervisor's deadline passes
+        server.signal(signal.SIGCONT)
+        server.wait_serving(30)
+        assert "not ready after" not in server.log()
+    finally:
+        server.signal(signal.SIGCONT)
+        server.stop()
+
+
 def test_api_servers_that_keep_dying_take_the_group_down(start_supervise):
     server = start_supervise(*SIM, "--max-restarts", "1", "--restart-window", "60")
     server.child_titled("ApiServer_0").kill()
