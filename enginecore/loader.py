@@ -7,13 +7,14 @@ device from config.json (enginecore.dummy_model), no weights read.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from enginecore.engine_base import BadEngineSetting
-from enginecore.model_source import ModelSourceError, dummy_model_dir, resolve_model
+from enginecore.model_source import ModelSourceError, check_tokenizer_files, dummy_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,19 @@ def load_model(model_spec: str | None, device_spec: str = "auto", dtype_spec: st
         hf_config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:
         raise ModelSourceError(f"cannot read the model config in {model_dir}: {exc}") from exc
+    check_tokenizer_files(model_dir)
     log.info("loading %s (%s) on %s as %s%s", model_dir, hf_config.model_type, device, str(dtype).removeprefix("torch."),
              ", random weights (--load-format dummy)" if load_format == "dummy" else "")
+    from safetensors import SafetensorError  # (transformers' own dependency)
+
     try:
         model = _build(model_dir, hf_config, device, dtype, attn_implementation, load_format)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"cannot load {model_dir} as a causal language model: {exc}") from exc
+    except SafetensorError as exc:  # a truncated or corrupt weights file: say which files were read
+        files = ", ".join(sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")))
+        raise ModelSourceError(f"cannot load {model_dir} as a causal language model: its weights ({files}) cannot "
+                               f"be read, truncated or corrupt: {exc}") from None
     model.to(device).eval()
     model.requires_grad_(False)
     try:

@@ -146,6 +146,29 @@ def _staged(target: str):
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def check_tokenizer_files(model_dir: str) -> None:
+    """Raises ModelSourceError where the model's tokenizer files cannot be read. The API servers load them once
+    the engines are ready: a corrupt tokenizer.json was their traceback after the whole model had loaded, exit 1,
+    and again at every restart by the service manager. Checked before the weights: one line, exit 2."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelSourceError(f"{model_dir} has no tokenizer.json (the API servers tokenize with it)")
+    try:
+        Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises Exception itself for a file it cannot parse
+        raise ModelSourceError(f"cannot read the tokenizer {path}: {exc}") from None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        other = os.path.join(model_dir, name)
+        if os.path.isfile(other):
+            try:
+                with open(other, "rb") as f:
+                    json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ModelSourceError(f"cannot read {other}: {exc}") from None
+
+
 def dummy_model_dir(model_dir: str) -> str:
     """For --load-format dummy: `model_dir` itself when it has a tokenizer, else a copy of its config.json and
     generation_config.json in the cache with a synthetic tokenizer for its vocabulary, keyed by their content."""

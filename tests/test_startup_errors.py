@@ -113,6 +113,36 @@ def test_directory_that_is_not_a_model_is_refused(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def broken_copy_of_the_embedded_model(where, broken: str, content: bytes) -> str:
+    """The embedded model's directory (as converted) with links to its files, but `broken` written as `content`."""
+    from enginecore.model_source import resolve_model
+
+    source = resolve_model(None)
+    os.makedirs(where)
+    for name in os.listdir(source):
+        if name != broken:
+            os.symlink(os.path.join(source, name), os.path.join(where, name))
+    with open(os.path.join(where, broken), "wb") as f:
+        f.write(content)
+    return str(where)
+
+
+@pytest.mark.parametrize("broken, content, words", [
+    ("model.safetensors", b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\"", "cannot load"),  # truncated in its header
+    ("tokenizer.json", b'{"version": "1.0", "model": ', "cannot read the tokenizer"),
+    ("tokenizer_config.json", b"{not json", "cannot read"),
+])
+def test_a_corrupt_model_file_is_one_line_and_exit_code_2(tmp_path, broken, content, words):
+    """A truncated weights file was a traceback through transformers, exit 1; a corrupt tokenizer file the API
+    servers' traceback once the whole model had loaded, exit 1 (and a reload at every restart by systemd)."""
+    model = broken_copy_of_the_embedded_model(tmp_path / "model", broken, content)
+    result = run_supervise("--port", "0", "--model", model)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("supervise: error:")]
+    assert len(errors) == 1 and words in errors[0] and broken in errors[0], errors
+
+
 @pytest.mark.parametrize("args,flag", [
     (("--api-server-count", "0"), "--api-server-count"),
     (("--log-stats-interval", "-1"), "--log-stats-interval"),
