@@ -48,6 +48,37 @@ def _chat_template(click_context, param, value):
     return text
 
 
+# Run in a child Python: the supervisor itself imports none of the user's code (it lives as long as the group,
+# and a middleware module may import anything, torch included); the API servers build it the same way.
+_MIDDLEWARE_CHECK = """import json, sys
+sys.path[:] = json.loads(sys.argv[2])  # the supervisor's, as the API servers get it (not `-c`'s current directory)
+try:
+    from apiserver.middleware import user_middleware
+    user_middleware(sys.argv[1])
+except BaseException as exc:
+    print(f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__)
+    sys.exit(1)
+"""
+
+
+def _middleware(click_context, param, value):
+    """Each MODULE:OBJECT is imported and checked now, in a child Python, as an API server will build it: a module
+    that is not there or an object that is not a class or a function was each API server's traceback, after the
+    model had loaded, exit 1 (and a reload at every restart by the service manager)."""
+    import subprocess
+
+    for spec in value:
+        try:
+            done = subprocess.run([sys.executable, "-c", _MIDDLEWARE_CHECK, spec, json.dumps(sys.path)],
+                                  capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise click.BadParameter(f"{spec!r}: importing it took over 120 s") from None
+        if done.returncode != 0:
+            reason = done.stdout.strip() or done.stderr.strip().splitlines()[-1:] or ["it could not be imported"]
+            raise click.BadParameter(f"{spec!r}: {reason if isinstance(reason, str) else reason[0]}")
+    return value
+
+
 def _host(click_context, param, value):
     """An empty --host would listen on every interface, as a bind to "" does: say so instead (it is more often
     an unset variable, `--host "$HOST"`, than a wish)."""
@@ -291,9 +322,10 @@ def _positive(click_context, param, value):
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")
 @click.option("--enable-server-load-tracking", is_flag=True, help="Count in-flight requests for GET /load.")
-@click.option("--middleware", multiple=True, metavar="MODULE:OBJECT",
+@click.option("--middleware", multiple=True, metavar="MODULE:OBJECT", callback=_middleware,
               help="Extra ASGI middleware (a class, or `async def f(request, call_next)`); repeatable, "
-                   "outermost first.")
+                   "outermost first. Each is imported once at start-up to check it (a child Python), then in "
+                   "every API server.")
 @click.option("--grpc", is_flag=True,
               help="Serve gRPC instead of HTTP on --port: the vllm.grpc.engine.VllmEngine service of smg-grpc-proto "
                    "(token ids in and out), for a gateway such as smg that tokenizes itself.")

@@ -170,6 +170,11 @@ def test_help_explains_the_options():
     (["--reasoning-parser", "nonesuch"], "--reasoning-parser"),
     (["--chat-template", "/no/such/template.jinja"], "neither a file nor a Jinja template"),
     (["--chat-template", "{% for %}"], "not a valid Jinja template"),
+    # Each API server's traceback after the model had loaded, exit 1, before they were checked at the start.
+    (["--middleware", "nonexistent.module:obj"], "No module named 'nonexistent'"),
+    (["--middleware", "os:path"], "neither a class nor a function"),
+    (["--middleware", "os:nope"], "has no attribute 'nope'"),
+    (["--middleware", "tests.test_api_middleware"], "expected module:object"),
 ])
 def test_chat_options_are_checked_before_anything_starts(args, words):
     result = run_supervise("--model", "sim:5", *args, timeout=30)
