@@ -8,6 +8,7 @@ import os
 import sys
 
 import orjson
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
@@ -36,6 +37,8 @@ class InfoRoutes:
         """One model's card (OpenAI's GET /v1/models/{model}, the openai package's models.retrieve): the served
         one, else 404 model_not_found. vLLM has no such route."""
         name = request.path_params["model"]
+        if not name:  # /v1/models/: a path this server does not have, as any unknown one (not a model named "")
+            raise HTTPException(404)
         if name != self.ctx.model_name:
             raise ModelNotFound(name)
         return json_response(self._card())
