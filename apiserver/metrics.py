@@ -21,7 +21,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The status codes a gRPC API server (--grpc) ends calls with.
-GRPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",
+GRPC_CODES = ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",
               "INTERNAL", "UNAVAILABLE", "UNAUTHENTICATED")
 
 # Counter name -> (help, labels per slot). Each (name, label) pair is one float64 slot in the file.

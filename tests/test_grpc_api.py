@@ -415,6 +415,30 @@ def test_metrics_port_counts_calls_of_the_whole_group(group, stub):
     assert httpx.get(group.metrics_url.replace("/metrics", "/other"), timeout=5).status_code == 404
 
 
+def test_calls_past_their_deadline_are_counted_as_such_and_cancelled_ones_as_cancelled(group):
+    """A call grpcio ends at its deadline was counted CANCELLED, as a client that left: a server too slow for
+    its clients could not be told from clients that go away."""
+    def counted(code: str) -> float:
+        text = httpx.get(group.metrics_url, timeout=5).text
+        line = f'supervise_grpc_requests_total{{model_name="sim:10",code="{code}"}} '
+        return next((float(row[len(line):]) for row in text.splitlines() if row.startswith(line)), 0.0)
+
+    before = {code: counted(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    stub = group.stub()
+    for _ in range(3):  # 500 tokens at 10 ms each: far past a 0.3 s deadline
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stub.Generate(generate_request(PROMPT, max_tokens=500, ignore_eos=True), timeout=0.3))
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = stub.Generate(generate_request(PROMPT, stream=True, max_tokens=500, ignore_eos=True))
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 5
+    while counted("CANCELLED") < before["CANCELLED"] + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counted("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == 3
+    assert counted("CANCELLED") - before["CANCELLED"] == 1
+
+
 def test_api_servers_load_neither_torch_nor_a_tokenizer(group):
     """What a process has mapped: torch's and the tokenizers' native libraries show there once imported (the
     simulated engine's process maps the tokenizer, so the check can see one)."""

@@ -174,8 +174,8 @@ class _Call:
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             self._service.ctx.metrics.count_grpc("OK")
-        elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):  # the client cancelled or went away
-            self._service.ctx.metrics.count_grpc("CANCELLED")
+        elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):  # ended by the client or its deadline
+            self._service.ctx.metrics.count_grpc(self._ended_by())
         elif not issubclass(exc_type, grpc.aio.AbortError) and issubclass(exc_type, Exception):
             error = as_rpc_error(exc)
             if error is None:
@@ -183,6 +183,12 @@ class _Call:
                 error = RpcError(Code.INTERNAL, "internal error: the server could not complete the call; see its log")
             await self._end(error)
         return False
+
+    def _ended_by(self) -> str:
+        """The status of a call grpcio cancelled: DEADLINE_EXCEEDED where its deadline has passed (what the client
+        reads then; a server too slow for its clients is not the same as clients that left), else CANCELLED."""
+        remaining = self._context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
     async def _end(self, error: RpcError) -> None:
         """Count the status and end the call with it (context.abort raises AbortError: nothing runs after)."""
