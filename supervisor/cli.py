@@ -357,12 +357,14 @@ def main(**options) -> None:
     """
     config = build_config(options)
     if config.headless:
-        from supervisor.headless import serve_headless
+        from supervisor.headless import serve_headless as serve
+    else:
+        from supervisor.serve import serve  # after parsing: `--help` stays instant
+    from supervisor.signals import ignore_from_now
 
-        sys.exit(serve_headless(config))
-    from supervisor.serve import serve  # after parsing: `--help` stays instant
-
-    sys.exit(serve(config))
+    code = serve(config)
+    ignore_from_now()
+    sys.exit(code)
 
 
 def build_config(options: dict) -> ServeConfig:

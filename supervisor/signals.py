@@ -36,6 +36,14 @@ class SignalInbox:
         return taken
 
 
+def ignore_from_now() -> None:
+    """The group is down and the exit code decided: a signal now changes nothing. Python restores the default
+    handlers as it exits (but leaves ignored signals ignored), and a second SIGTERM 50 ms after the first, during a
+    start-up, then ended the supervisor with 143 instead of its 0 (an operator's or systemd's second stop)."""
+    for signum in HANDLED:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def describe_exit(exitcode: int | None, kill_reason: str | None = None) -> str:
     """How a child ended, for the log line that says why. `kill_reason`: why the supervisor itself killed it."""
     if exitcode is None:
