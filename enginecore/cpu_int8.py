@@ -119,8 +119,8 @@ def packed_summary(kernels: list) -> str:
     """How our int8 kernel keeps a model's products, for the log: how many at 4 bits a code, and their bytes."""
     ours = [k for k in kernels if isinstance(k, PackedInt8Linear)]
     four = sum(k.bits == 4 for k in ours)
-    megabytes = sum(k.packed.numel() for k in ours) / 2**20
-    return f"{four} of {len(ours)} products in 4-bit codes (16 values a block), packed weights {megabytes:.0f} MiB"
+    mib = sum(k.packed.numel() for k in ours) / 2**20
+    return f"{four} of {len(ours)} products in 4-bit codes (16 values a block), packed weights {mib:.0f} MiB"
 
 
 @functools.cache

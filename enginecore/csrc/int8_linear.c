@@ -18,9 +18,9 @@
  * embedded model's layers), two codes share a byte, and a block is 384 bytes instead of 640. The same codes,
  * scales and offsets in the same order of sums, so the products equal the 8-bit ones bit for bit; a decode step
  * reads 0.75 bytes a weight instead of 1.25. Splitting the halves costs a shift and a mask a column, so at one row
- * on a 2-core AMD EPYC Zen 2 the whole SmolLM2's products from memory went from 6.0 to 5.1 ms, not to 60%:
- * widening codes to floats (two conversions a column) is what bounds it there, at about 16G weights a second per
- * core from the caches.
+ * on a 2-core AMD EPYC Zen 2 the whole SmolLM2's products from memory went from 6.4 to 5.5 ms (bench/cpu_layout.py,
+ * 2026-12-07), not to 60%: widening codes to floats (two conversions a column) is what bounds it there, at about
+ * 18G weights a second per core from L1 against 24G for 8-bit codes (a one-off loop of this kernel's inner step).
  *
  * The weights are made into codes (int8_codes, in int8_codes.h) and packed (int8_pack) once, into panels of PANEL
  * output channels, a panel one contiguous run that the kernel streams from memory in order: block after block,
