@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
-from enginecore import cpu_attention
+from enginecore import cpu_attention, weight_pages
 from enginecore.cpu_int8 import PackedInt8Linear, packed_int8_unavailable_reason, packed_summary
 from enginecore.cpu_decode_layers import CpuDecodeLayers
 from enginecore.cpu_layer_ops import layer_ops
@@ -135,11 +135,35 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
                                 if quantization == "bf16" else None)
     cached[key].quantization = quantization
     with_cpu_kernels(cached[key])
+    release_replaced_weights(model, cached[key])
     if kernel is PackedInt8Linear:
         described += f"; {packed_summary(cached[key].linears())}"
     log.info("CPU: lean Llama forward, products %s%s", described, f"; --quantization auto chose {quantization}: {why}"
              if why else "")
     return cached[key]
+
+
+# Kernels that multiply by a copy of their own (packed, converted or quantized), not by the model's weight itself.
+OWN_COPY_KERNELS = (PackedInt8Linear, Bf16Linear, Int8Linear)
+
+
+def release_replaced_weights(model: torch.nn.Module, lean: LeanLlama) -> None:
+    """Give the operating system back the pages of the float32 weights that only a kernel's own copy is read for
+    (enginecore.weight_pages): about 400 of the embedded model's 513 MB under int8. The embedding, which the lean
+    forward looks rows up in, and a head multiplied in float32 (bf16's) stay."""
+    weights: list[torch.Tensor] = []
+    sources = cast(torch.nn.ModuleList, model.model.layers)  # (a Module attribute, to mypy any of three types)
+    for source, layer in zip(sources, lean.layers):
+        if all(isinstance(k, OWN_COPY_KERNELS) for k in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            a, m = source.self_attn, source.mlp
+            weights += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m.gate_proj.weight,
+                        m.up_proj.weight, m.down_proj.weight]
+    if isinstance(lean.head, OWN_COPY_KERNELS) and model.lm_head.weight.data_ptr() != lean.embed.data_ptr():
+        weights.append(cast(torch.Tensor, model.lm_head.weight))
+    released = weight_pages.release(weights)
+    if released:
+        log.info("CPU: %d MiB of float32 weights that the products' own copies replace dropped from memory (read "
+                 "again from the model's file if ever needed)", released >> 20)
 
 
 def with_cpu_kernels(lean: LeanLlama) -> LeanLlama:
