@@ -133,9 +133,9 @@ def prepare_cpu_model(model: torch.nn.Module, dtype: torch.dtype, quantization: 
         # tokens (the README's own "capital of France?" began "L'Étoile" instead of "The capital ... Paris").
         cached[key] = LeanLlama(model, kernel, make_head=FLOAT32_KERNELS[layout["kernel"]]
                                 if quantization == "bf16" else None)
+        release_replaced_weights(model, cached[key])  # once, after the copies are made
     cached[key].quantization = quantization
     with_cpu_kernels(cached[key])
-    release_replaced_weights(model, cached[key])
     if kernel is PackedInt8Linear:
         described += f"; {packed_summary(cached[key].linears())}"
     log.info("CPU: lean Llama forward, products %s%s", described, f"; --quantization auto chose {quantization}: {why}"

@@ -1,4 +1,4 @@
-"""The pages of float32 weights that a packed copy replaced, handed back to the kernel.
+"""The pages of float32 weights that a packed copy replaced, given back to the operating system.
 
 The model's weights are views of its safetensors file, mapped into memory. Packing them for our int8 kernel reads
 every page of them, and the pages stay resident: the embedded model's engine held 513 MB of that file beside the
@@ -14,13 +14,10 @@ page resident here (a 6.18 kernel without swap).
 from __future__ import annotations
 
 import ctypes
-import logging
 import re
 import sys
 
 import torch
-
-log = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4
 PAGE = 4096

@@ -74,8 +74,8 @@ def _middleware(click_context, param, value):
         except subprocess.TimeoutExpired:
             raise click.BadParameter(f"{spec!r}: importing it took over 120 s") from None
         if done.returncode != 0:
-            reason = done.stdout.strip() or done.stderr.strip().splitlines()[-1:] or ["it could not be imported"]
-            raise click.BadParameter(f"{spec!r}: {reason if isinstance(reason, str) else reason[0]}")
+            reason = done.stdout.strip() or (done.stderr.strip().splitlines() or ["it could not be imported"])[-1]
+            raise click.BadParameter(f"{spec!r}: {reason}")
     return value
 
 
