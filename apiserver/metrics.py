@@ -44,6 +44,19 @@ _RANK_GAUGES = {
     "engine_num_requests_waiting": ("Requests waiting in the rank's engine, as it last reported.", "num_waiting"),
     "engine_kv_cache_usage_perc": ("The rank's KV cache usage (0-1), as it last reported.", "kv_cache_usage"),
 }
+# --metrics-names vllm: the series that mean what vLLM's mean, under vLLM's names, for what reads those (vLLM's
+# Grafana dashboards, the Gateway API Inference Extension's endpoint picker, autoscalers on the queue length); the
+# others keep ours. vLLM's running and waiting gauges are per engine (rank), as ours.
+VLLM_NAMES = {
+    "request_success_total": "vllm:request_success_total",
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "generation_tokens_total": "vllm:generation_tokens_total",
+    "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "engine_num_requests_running": "vllm:num_requests_running",
+    "engine_num_requests_waiting": "vllm:num_requests_waiting",
+    "engine_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+}
 _HISTOGRAMS = {
     "e2e_request_latency_seconds": "Seconds from a request's arrival to its last token.",
     "time_to_first_token_seconds": "Seconds from a request's arrival to its first token.",
@@ -75,7 +88,9 @@ _SIZE = len(_SLOTS) * 8
 
 
 class Metrics:
-    def __init__(self, runtime_dir: str, index: int):
+    def __init__(self, runtime_dir: str, index: int, names: str = "supervise"):
+        """`names`: one of ipc.config.METRICS_NAMES, whose names the exposition gives."""
+        self._renamed = VLLM_NAMES if names == "vllm" else {}
         self._path = os.path.join(runtime_dir, f"metrics-{index}.bin") if runtime_dir else None
         if self._path:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -130,6 +145,9 @@ class Metrics:
         values[_SLOTS[(name, "sum")]] += seconds
         values[_SLOTS[(name, "count")]] += 1
 
+    def _exposed(self, name: str) -> str:
+        return self._renamed.get(name, PREFIX + name)
+
     def _group_totals(self) -> list[float]:
         """Every API server's values, summed (this server's alone without a runtime directory)."""
         if not self._path:
@@ -153,23 +171,26 @@ class Metrics:
         served = {f'engine="{view["rank"]}"' for view in ranks}
         lines = []
         for name, (help_text, labels) in _COUNTERS.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter"]
+            full = self._exposed(name)
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
             for label in labels:
                 if label.startswith("engine=") and label not in served:
                     continue
                 all_labels = f"{model},{label}" if label else model
-                lines.append(f"{PREFIX}{name}{{{all_labels}}} {_number(totals[_SLOTS[(name, label)]])}")
+                lines.append(f"{full}{{{all_labels}}} {_number(totals[_SLOTS[(name, label)]])}")
         for name, help_text in _HISTOGRAMS.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} histogram"]
+            full = self._exposed(name)
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
             for bound in (*LATENCY_BUCKETS, "+Inf"):
                 label = f'le="{bound}"'
-                lines.append(f"{PREFIX}{name}_bucket{{{model},{label}}} {_number(totals[_SLOTS[(name, label)]])}")
-            lines.append(f"{PREFIX}{name}_sum{{{model}}} {totals[_SLOTS[(name, 'sum')]]!r}")
-            lines.append(f"{PREFIX}{name}_count{{{model}}} {_number(totals[_SLOTS[(name, 'count')]])}")
+                lines.append(f"{full}_bucket{{{model},{label}}} {_number(totals[_SLOTS[(name, label)]])}")
+            lines.append(f"{full}_sum{{{model}}} {totals[_SLOTS[(name, 'sum')]]!r}")
+            lines.append(f"{full}_count{{{model}}} {_number(totals[_SLOTS[(name, 'count')]])}")
         for name, (help_text, key) in _RANK_GAUGES.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge"]
+            full = self._exposed(name)
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge"]
             for view in ranks:
-                lines.append(f'{PREFIX}{name}{{{model},engine="{view["rank"]}"}} {_number(float(view[key]))}')
+                lines.append(f'{full}{{{model},engine="{view["rank"]}"}} {_number(float(view[key]))}')
         if group is not None:
             live = [slot for slot in range(MAX_SLOTS) if group.pid(slot)]
             lines += [

@@ -114,7 +114,7 @@ async def _serve(launch: ApiServerLaunch, group, renderer, stop) -> None:
         engine=engine,
         group=group,
         admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
-        metrics=Metrics(config.runtime_dir, index),
+        metrics=Metrics(config.runtime_dir, index, config.metrics_names),
     )
     heartbeat = asyncio.create_task(beat_forever(group, index, ctx.engine_dead_reason), name="heartbeat")
     try:

@@ -122,6 +122,7 @@ class ServeConfig:
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; MISSED_PINGS_FOR_GONE: gone
     grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP
     metrics_port: int | None = None  # --grpc: Prometheus metrics over HTTP here, since gRPC has no /metrics
+    metrics_names: str = "supervise"  # one of METRICS_NAMES: "vllm" gives vLLM's names where ours mean the same
     # Chat: tools and reasoning (vLLM's options).
     chat_template: str | None = None  # the template's text (--chat-template names a file or gives the text)
     tokenizer_word_cache: bool = True  # API servers tokenize plain ASCII text with their word cache (apiserver.word_cache)
@@ -171,3 +172,4 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Named here, where the supervisor's command line can list them without importing the API servers' parsers.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+METRICS_NAMES = ("supervise", "vllm")

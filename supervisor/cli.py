@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ipc.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig
+from ipc.config import METRICS_NAMES, REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig
 
 _DEFAULTS = ServeConfig()
 
@@ -331,6 +331,10 @@ def _positive(click_context, param, value):
                    "(token ids in and out), for a gateway such as smg that tokenizes itself.")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
               help="With --grpc: serve Prometheus metrics (the whole group's) at http://HOST:PORT/metrics.")
+@click.option("--metrics-names", default=_DEFAULTS.metrics_names, show_default=True, type=click.Choice(METRICS_NAMES),
+              help="The names /metrics gives. vllm: vLLM's (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+                   "vllm:time_to_first_token_seconds, ...) for the series that mean the same, for what reads those: "
+                   "vLLM's dashboards, the Gateway API Inference Extension, autoscalers; the others keep supervise_.")
 @click.option("--chat-template", default=None, callback=_chat_template,
               help="The chat template to render messages with, instead of the model's: a file, or the template "
                    "itself. templates/tool_chat_template_hermes.jinja gives the embedded model tools and thinking.")

@@ -1,5 +1,7 @@
 """Every route besides the two generation endpoints, with the flags that turn them on or off."""
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -217,3 +219,38 @@ def test_metrics_are_group_totals_whichever_server_answers(plain):
                    if line.startswith(name + "_bucket")]
         assert len(buckets) == 15 and buckets == sorted(buckets)
         assert buckets[-1] == metric(scrapes[-1], name + "_count") == buckets[-4]  # le=30 holds them all
+
+
+def test_metrics_with_vllm_names_read_by_a_prometheus_parser():
+    """--metrics-names vllm: what reads vLLM's series (dashboards, the Gateway API Inference Extension's endpoint
+    picker, autoscalers on the queue) finds them under vLLM's names, parsed by prometheus_client's own parser. With
+    --max-num-seqs 2 and four long requests, the engine runs two and queues two: vllm:num_requests_running and
+    vllm:num_requests_waiting say so for engine 0; after them the counters and histograms have them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(url: str) -> dict:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    with Supervise("--model", "sim:20", "--max-num-seqs", "2", "--metrics-names", "vllm") as server:
+        labels = (("engine", "0"), ("model_name", "sim:20"))
+        body = {"model": "sim:20", "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+        with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(client.post, "/completions", json=body) for _ in range(4)]
+            seen = set()
+            while not all(a.done() for a in answers):
+                now = samples(server.url)
+                seen.add((now[("vllm:num_requests_running", labels)], now[("vllm:num_requests_waiting", labels)]))
+                time.sleep(0.05)
+            assert all(a.result().status_code == 200 for a in answers)
+        assert (2, 2) in seen and max(running for running, _ in seen) == 2
+        after = samples(server.url)
+        model = (("model_name", "sim:20"),)
+        assert after[("vllm:request_success_total", (("finished_reason", "length"), *model))] == 4
+        assert after[("vllm:generation_tokens_total", model)] == 240
+        assert after[("vllm:e2e_request_latency_seconds_count", model)] == 4
+        assert after[("vllm:time_to_first_token_seconds_count", model)] == 4
+        assert 0 <= after[("vllm:kv_cache_usage_perc", labels)] <= 1
+        assert after[("supervise_api_servers", ())] == 1  # ours where vLLM has none of the same meaning
+        assert not any(name.startswith("supervise_request_success") for name, _ in after)

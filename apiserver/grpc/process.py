@@ -77,7 +77,7 @@ def run_grpc_api_server(launch: ApiServerLaunch) -> None:
     ctx = ServerContext(
         config=config, index=index, model=model, renderer=None, engine=engine, group=group,
         admission=AdmissionControl(group, index, config.max_num_queued_reqs, config.max_num_queued_tokens),
-        metrics=Metrics(config.runtime_dir, index),
+        metrics=Metrics(config.runtime_dir, index, config.metrics_names),
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         exit_code = runner.run(_serve(ctx, launch.ready, stop))
