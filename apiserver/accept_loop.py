@@ -11,6 +11,11 @@ Out of file descriptors (EMFILE, ENFILE) or kernel memory, the listening socket 
 accept() fails at once: the loop would spin and log without end. So a failed accept pauses accepting for
 ACCEPT_PAUSE_SECONDS, as asyncio's own accept loop (under uvicorn) pauses 1 s and nginx retries after its
 accept_mutex_delay of 500 ms, and the failures are logged at most once a second, with their count.
+
+With TLS (--ssl-certfile) the event loop's TLS layer wraps each connection, its handshake bounded by
+--timeout-request-header (a client that connects and never finishes it holds nothing longer than one that never
+sends its headers); a handshake that fails (plain HTTP to the TLS port, an untrusted client certificate, a
+timeout) closes the connection before it reaches HTTP, without a log line (anyone can make one).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import asyncio
 import errno
 import logging
 import socket
+import ssl
 import time
 
 from ipc.shared_state import GroupState
@@ -33,8 +39,10 @@ class BalancedAcceptor:
     """Stands where uvicorn keeps its asyncio Server: close() stops accepting, wait_closed() returns at once."""
 
     def __init__(self, listen_socket: socket.socket, protocol_factory, state: GroupState, slot: int,
-                 backoff_seconds: float):
+                 backoff_seconds: float, tls: ssl.SSLContext | None = None, handshake_timeout: float = 30.0):
         self._sock = listen_socket
+        self._tls = tls
+        self._handshake_timeout = handshake_timeout
         self._sock.setblocking(False)
         self._factory = protocol_factory
         self._state = state
@@ -129,8 +137,12 @@ class BalancedAcceptor:
 
     async def _connect(self, conn: socket.socket, protocol) -> None:
         try:
-            await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
-        except OSError:
+            if self._tls is None:
+                await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
+            else:
+                await self._loop.connect_accepted_socket(lambda: protocol, sock=conn, ssl=self._tls,
+                                                         ssl_handshake_timeout=self._handshake_timeout)
+        except OSError:  # ssl.SSLError and TimeoutError among them; the protocol never saw the connection
             self._count(-1)
             conn.close()
 

@@ -264,7 +264,8 @@ class HttpConnection(HttpToolsProtocol):
             cycle.on_response = _nothing
             cycle.body = bytearray()
         self.flow.resume_reading()
-        self.transport.write_eof()  # after what is written: the client reads the answer, then EOF
+        if self.transport.can_write_eof():  # not over TLS, whose close_notify comes with the close
+            self.transport.write_eof()  # after what is written: the client reads the answer, then EOF
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self.loop.call_later(LINGER_IDLE_SECONDS, self._check_timeouts)

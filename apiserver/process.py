@@ -24,6 +24,7 @@ from ipc.launch import ApiServerLaunch
 from ipc.lifeline import die_with_parent
 from ipc.logs import setup_logging
 from ipc.shared_state import GroupState
+from ipc.tls import BadTls
 
 log = logging.getLogger("apiserver")
 
@@ -76,8 +77,12 @@ def run_api_server(launch: ApiServerLaunch) -> None:
     log.info("detokenizing: %s", "each token's bytes from a table (byte-level BPE)" if tables is not None
              else "tokenizers' DecodeStream")
     _return_freed_heap()
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(launch, group, renderer, stop))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_serve(launch, group, renderer, stop))
+    except BadTls as exc:  # the files changed since the supervisor checked them
+        log.error("cannot serve TLS: %s", exc)
+        raise SystemExit(1) from None
     group.close()
     log.info("stopped")
 

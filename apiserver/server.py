@@ -2,7 +2,8 @@
 
 `build_http_server` is the one place that decides which uvicorn Server runs: our connection protocol
 (uvicorn's httptools protocol with read timeouts, apiserver/http_connection.py, writing through the loop's
-batch of writes, apiserver/write_batch.py) behind the group's balanced accept loop (apiserver/accept_loop.py).
+batch of writes, apiserver/write_batch.py) behind the group's balanced accept loop (apiserver/accept_loop.py),
+with TLS when --ssl-certfile is given (ipc/tls.py).
 Everything else is uvicorn's: its lifespan, its graceful shutdown.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ from apiserver.write_batch import WriteBatch
 from ipc.config import ServeConfig
 from ipc.lifeline import supervisor_gone
 from ipc.shared_state import GroupState
+from ipc.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,10 @@ class ApiHttpServer(uvicorn.Server):
     calls close() on what it keeps in self.servers), and our drain."""
 
     def __init__(self, config: uvicorn.Config, policy: ConnectionPolicy, state: GroupState, slot: int,
-                 backoff_seconds: float, shutdown_timeout: float, cut_requests: Callable[[str], None] | None):
+                 backoff_seconds: float, shutdown_timeout: float, cut_requests: Callable[[str], None] | None,
+                 tls: ssl.SSLContext | None = None):
         super().__init__(config)
+        self._tls = tls
         self.policy = policy
         self._shutdown_timeout = shutdown_timeout
         self._cut_requests = cut_requests  # EngineClient.fail_in_flight
@@ -59,7 +64,8 @@ class ApiHttpServer(uvicorn.Server):
             return HttpConnection(self.config, self.server_state, self.lifespan.state, self.policy)
 
         (listen_socket,) = sockets
-        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff)
+        self.acceptor = BalancedAcceptor(listen_socket, create_protocol, self._state, self._slot, self._backoff,
+                                         self._tls, self.policy.timeout_request_header)
         self.servers = [self.acceptor]
         self.started = True
 
@@ -113,8 +119,11 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
     policy = ConnectionPolicy(config.timeout_keep_alive, config.timeout_request_header, write_batch=batch,
                               direct_body=direct_body, count_status=metrics.count_status,
                               max_header_bytes=config.max_request_header_bytes)
+    tls = None
+    if config.ssl_certfile:  # checked by the supervisor before anything started
+        tls = server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs, config.ssl_cert_reqs)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0, config.shutdown_timeout,
-                         cut_requests)
+                         cut_requests, tls)
 
 
 async def beat_forever(group: GroupState, index: int, on_beat=None) -> None:

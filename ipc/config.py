@@ -118,6 +118,12 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
     write_batching: bool = True  # an API server makes a loop pass's socket writes together (apiserver.write_batch)
     direct_stream_events: bool = True  # streamed events written straight to the connection (apiserver.direct_body)
+    # TLS on --port (ipc.tls): a PEM certificate (chain) and its key; CA certificates and whether to ask clients for
+    # a certificate (0 no, 1 optional, 2 required: Python's ssl.CERT_* values).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
     timeout_request_header: float = 30.0  # a request's headers (in total) or its body (between reads): else 408
     engine_ping_interval: float = 5.0  # a ping unanswered this long turns /health to 503; MISSED_PINGS_FOR_GONE: gone
     grpc: bool = False  # serve vllm.grpc.engine.VllmEngine (smg-grpc-proto) on `port` instead of HTTP

@@ -329,6 +329,14 @@ def _positive(click_context, param, value):
 @click.option("--grpc", is_flag=True,
               help="Serve gRPC instead of HTTP on --port: the vllm.grpc.engine.VllmEngine service of smg-grpc-proto "
                    "(token ids in and out), for a gateway such as smg that tokenizes itself.")
+@click.option("--ssl-certfile", default=None, metavar="PEM",
+              help="Serve HTTPS (or gRPC over TLS) on --port with this certificate (chain), its key in --ssl-keyfile "
+                   "or in the same file.")
+@click.option("--ssl-keyfile", default=None, metavar="PEM", help="The certificate's private key (no passphrase).")
+@click.option("--ssl-ca-certs", default=None, metavar="PEM",
+              help="CA certificates that client certificates must chain to (with --ssl-cert-reqs 1 or 2).")
+@click.option("--ssl-cert-reqs", default=_DEFAULTS.ssl_cert_reqs, show_default=True, type=click.IntRange(0, 2),
+              help="Client certificates: 0 not asked for, 1 checked when given, 2 required (mutual TLS).")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
               help="With --grpc: serve Prometheus metrics (the whole group's) at http://HOST:PORT/metrics.")
 @click.option("--metrics-names", default=_DEFAULTS.metrics_names, show_default=True, type=click.Choice(METRICS_NAMES),
@@ -372,6 +380,7 @@ def main(**options) -> None:
 
 
 def build_config(options: dict) -> ServeConfig:
+    from ipc.tls import tls_problem
     from supervisor.grpc_mode import option_conflict
     from supervisor.layout import BadLayout, layout_of
 
@@ -382,7 +391,7 @@ def build_config(options: dict) -> ServeConfig:
         layout_of(config)
     except BadLayout as exc:
         raise click.UsageError(str(exc)) from None
-    conflict = option_conflict(config)
+    conflict = option_conflict(config) or tls_problem(config)
     if conflict:
         raise click.UsageError(conflict)
     return config

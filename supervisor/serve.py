@@ -113,7 +113,8 @@ def _run_group_once(config, listen_socket, inbox, notifier, host, port, registry
             return 0
         url_host = f"[{host}]" if ":" in host else host
         engines = len(group.layout.served_ranks)
-        scheme = "grpc" if config.grpc else "http"
+        scheme = ("grpcs" if config.ssl_certfile else "grpc") if config.grpc else (
+            "https" if config.ssl_certfile else "http")
         summary = (
             f"serving {config.model_name} on {scheme}://{url_host}:{port} with {config.api_server_count} API "
             f"server(s) and {engines} engine core(s)"

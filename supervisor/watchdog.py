@@ -12,6 +12,7 @@ import logging
 import signal
 from collections import deque
 
+from ipc.tls import tls_problem
 from supervisor.children import Child
 from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankJoined, RankLost, SignalArrived,
@@ -90,7 +91,11 @@ class Watchdog:
         if self.engine_failed:
             return None
         if signum == signal.SIGHUP:
-            self._begin_rolling_restart("SIGHUP")
+            problem = tls_problem(self.config)  # the new servers read the TLS files again (renewed certificates)
+            if problem:
+                log.error("SIGHUP: no rolling restart, the API servers serve on as they are: %s", problem)
+            else:
+                self._begin_rolling_restart("SIGHUP")
         elif signum == signal.SIGTTIN:
             index = self.group.free_api_index(set(self.restarts_due))
             log.info("SIGTTIN: adding ApiServer_%d", index)

@@ -25,12 +25,15 @@ def model_cache_without_native_builds(where) -> str:
     return str(where)
 
 
-_URL_LINE = re.compile(r"serving .* on (http://\S+) with")
+_URL_LINE = re.compile(r"serving .* on (https?://\S+) with")
 
 
 class Supervise:
-    def __init__(self, *args: str, env: dict | None = None, port: int = 0, prefix: list[str] = ()):
-        """`prefix`: a command to run it under (e.g. `ip netns exec NAME`)."""
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0, prefix: list[str] = (),
+                 verify: str | bool = True):
+        """`prefix`: a command to run it under (e.g. `ip netns exec NAME`); `verify`: httpx's, for an https group
+        (the CA's PEM file)."""
+        self.verify = verify
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="supervise-", suffix=".log", delete=False)
         self.args = [*prefix, SUPERVISE, "--host", "127.0.0.1", "--port", str(port), *args]
         self.proc = subprocess.Popen(
@@ -70,7 +73,7 @@ class Supervise:
                     self.url = match.group(1)
             if self.url is not None:
                 try:
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    if httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
                         return self
                 except httpx.HTTPError:
                     pass
@@ -82,7 +85,7 @@ class Supervise:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                r = httpx.get(f"{self.url}/health", timeout=2)
+                r = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
                 if r.status_code == status:
                     return r
                 seen = r.status_code

@@ -33,6 +33,7 @@ from apiserver.large_body_budget import LargeBodyBudget
 from apiserver.metrics import Metrics
 from apiserver.process import ENGINE_GONE_EXIT_CODE, enter_process, reach_engines
 from apiserver.server import StopSignals, beat_forever
+from ipc.config import ServeConfig
 from ipc.heap import freeze_start_up
 from ipc.launch import ApiServerLaunch
 from ipc.lifeline import supervisor_gone
@@ -102,7 +103,10 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
                                        LargeBodyBudget(config.max_large_request_bodies_mb))
         await health.servicer.set(SERVICE_NAME, SERVING)
         host = f"[{config.host}]" if ":" in config.host else config.host
-        server.add_insecure_port(f"{host}:{config.port}")
+        if config.ssl_certfile:
+            server.add_secure_port(f"{host}:{config.port}", tls_credentials(config))
+        else:
+            server.add_insecure_port(f"{host}:{config.port}")
         await server.start()
         metrics_server = None
         if config.metrics_port is not None:
@@ -176,3 +180,16 @@ class _HealthReport:
             self._status = status
             for service in ("", SERVICE_NAME):
                 _in_background(self.servicer.set(service, status))
+
+
+def tls_credentials(config: ServeConfig) -> grpc.ServerCredentials:
+    """--ssl-*: grpcio's TLS (its own, from the PEM files' bytes; the supervisor checked them with Python's)."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    certificate = read(config.ssl_certfile)
+    key = read(config.ssl_keyfile) if config.ssl_keyfile else certificate  # or in the certificate's file
+    return grpc.ssl_server_credentials([(key, certificate)],
+                                       root_certificates=read(config.ssl_ca_certs) if config.ssl_ca_certs else None,
+                                       require_client_auth=config.ssl_cert_reqs == 2)

@@ -1,0 +1,69 @@
+"""TLS on the API port (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs: vLLM's and uvicorn's names).
+
+The supervisor builds the context once before anything starts, so that a missing file, a key that is not its
+certificate's or one under a passphrase is one line and exit 2, not an API server dying at start; each API server
+then builds its own from the same files (an SSLContext does not cross processes). So a renewed certificate is
+served after a rolling restart (SIGHUP, `systemctl reload`), which the supervisor begins only once the files it
+would read make a context; else it logs why and the servers serve on with what they read.
+"""
+from __future__ import annotations
+
+import ssl
+
+from ipc.config import ServeConfig
+
+# --ssl-cert-reqs: Python's ssl module's values, as vLLM and uvicorn take them.
+CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
+
+
+class BadTls(ValueError):
+    """The TLS options cannot make a server context; the message says why, in one line."""
+
+
+def tls_problem(config: ServeConfig) -> str | None:
+    """Why the TLS options cannot serve, in one line (a context is built now, from the files); None when they can.
+    The supervisor asks at start and before a rolling restart (SIGHUP), which reads the files again."""
+    if config.ssl_certfile is None:
+        if config.ssl_keyfile or config.ssl_ca_certs or config.ssl_cert_reqs:
+            return "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs go with --ssl-certfile"
+        return None
+    if config.ssl_cert_reqs and not config.ssl_ca_certs:
+        return f"--ssl-cert-reqs {config.ssl_cert_reqs} needs --ssl-ca-certs (what client certificates chain to)"
+    try:
+        server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs, config.ssl_cert_reqs)
+    except BadTls as exc:
+        return str(exc)
+    return None
+
+
+def server_context(certfile: str, keyfile: str | None, ca_certs: str | None, cert_reqs: int,
+                   alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLContext:
+    """A server context (TLS 1.2 or later) from PEM files. `alpn`: what a client may negotiate (HTTP/1.1 only:
+    curl and browsers offer h2 first, which this server does not speak)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # A passphrase is refused rather than asked for on a terminal that a service does not have.
+        context.load_cert_chain(certfile, keyfile, password=_no_passphrase)
+    except FileNotFoundError as exc:
+        raise BadTls(f"--ssl-certfile/--ssl-keyfile: no such file: {exc.filename or certfile}") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise BadTls(f"--ssl-certfile {certfile}{f' --ssl-keyfile {keyfile}' if keyfile else ''}: not a PEM "
+                     f"certificate and its unencrypted private key ({_reason(exc)})") from None
+    if ca_certs:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            raise BadTls(f"--ssl-ca-certs {ca_certs}: not PEM CA certificates ({_reason(exc)})") from None
+    context.verify_mode = CERT_REQS[cert_reqs]
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
+    return context
+
+
+def _no_passphrase() -> bytes:
+    raise BadTls("the private key is encrypted: give one without a passphrase")
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
