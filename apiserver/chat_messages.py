@@ -40,8 +40,9 @@ def message_dict(message: ChatMessage) -> dict:
         out["tool_calls"] = [_call_dict(call) for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        out["reasoning_content"] = message.reasoning_content
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     return out
 
 

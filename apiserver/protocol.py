@@ -5,7 +5,8 @@ outputs, because constructing pydantic objects per response or per token costs m
 
 Unknown fields are refused with a 400 that names them (extra="forbid"). OpenAI fields that a text model here
 cannot honour (audio, prediction, ...) are declared with type None: clients that send them as null, as some
-SDKs do, pass; any real value is refused with a message that names the field.
+SDKs do, pass; any real value is refused with a message that names the field. Inside a chat message, though,
+keys this server does not read are dropped (_MessagePart), as vLLM drops them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ T = TypeVar("T")
 # something this server does not do.
 UNSUPPORTED_FIELDS = (
     "functions", "function_call", "audio", "modalities", "prediction",
-    "web_search_options", "suffix", "best_of", "service_tier", "refusal", "annotations",
+    "web_search_options", "suffix", "best_of", "service_tier", "refusal", "verbosity",
 )
 
 
@@ -65,6 +66,9 @@ def nulls_mean_default(*fields: str):
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    # OpenAI's random padding of stream events against length side channels (on by default there): none is added
+    # here, whatever it says; a client that turns it off, as the openai package lets one do, asks for nothing.
+    include_obfuscation: StrictBool | None = None
 
     stream_options_nulls = nulls_mean_default("include_usage", "continuous_usage_stats")
 
@@ -106,6 +110,15 @@ class StructuredOutputs(_Strict):
     disable_additional_properties: StrictBool = False
 
 
+class _MessagePart(BaseModel):
+    """A chat message and what it holds: keys this server does not read are dropped, as vLLM drops them (it types
+    messages with the openai package's TypedDicts), not refused. Client libraries pass a reply's message back in
+    the next request as they hold it, with keys of their own: LiteLLM's `provider_specific_fields` on every
+    message, the openai package's `parsed` after `chat.completions.parse()`; refused, every second turn of such a
+    conversation was a 400. Fields that carry what this server cannot honour stay declared, and refused."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
 # A function tool's name, as OpenAI allows it (chat completions' and the Responses API's tools).
 ToolName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
@@ -131,34 +144,36 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(_MessagePart):
     name: StrictStr
     arguments: StrictStr  # JSON text, as the model wrote it
 
 
-class ToolCall(_Strict):
+class ToolCall(_MessagePart):
     id: StrictStr
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class TextPart(_Strict):
+class TextPart(_MessagePart):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_MessagePart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: StrictStr | None = None  # a tool's answer: to which call
     reasoning_content: StrictStr | None = None  # an assistant's reasoning (as the reply gave it)
-    # What OpenAI clients send back when they pass a reply's message on as it is: accepted as null only.
+    reasoning: StrictStr | None = None  # the same under vLLM's newer name (read where reasoning_content is not given)
+    # What OpenAI clients send back when they pass a reply's message on as it is: accepted as null only, since a
+    # value would be a turn this server cannot render (a refusal, an audio answer, a legacy function call).
     refusal: None = None
-    annotations: None = None
     audio: None = None
     function_call: None = None
+    annotations: list | None = None  # a reply's URL citations ([] from OpenAI's own replies): nothing to render
     # A tool message must name its call (`tool_call_id`): checked by apiserver.chat_messages, which says why there.
 
 
@@ -181,9 +196,13 @@ class _SamplingFields(_Strict):
     # both as arguments and applications pass them on; refusing them broke such clients for nothing.
     prompt_cache_key: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     safety_identifier: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
+    # How long OpenAI keeps a prompt's cache: a hint, as prompt_cache_key is (the engine's prefix cache is its own).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    store: Literal[False] | None = None
+    # Nothing is stored here whatever it says (the Responses API's reply says `"store": false`); LangChain's
+    # `ChatOpenAI(store=True)` and others send it.
+    store: StrictBool | None = None
 
     top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: StrictNumber | None = Field(None, ge=0.0, le=1.0)
@@ -216,7 +235,8 @@ class _SamplingFields(_Strict):
     functions: NoValue[list] | None = None
     function_call: None = None
     audio: None = None
-    modalities: None = None
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None  # ["text"]: what is made anyway
+    verbosity: Literal["medium"] | None = None  # OpenAI's default; "low" and "high" ask for what is not done here
     prediction: None = None
     web_search_options: None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)

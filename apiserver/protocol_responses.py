@@ -164,7 +164,7 @@ class FormatJsonSchema(_Strict):
 
 class TextConfig(_Strict):
     format: Annotated[Union[FormatText, FormatJsonObject, FormatJsonSchema], Field(discriminator="type")] | None = None
-    verbosity: None = None  # asks for shorter or longer answers: nothing here does that
+    verbosity: Literal["medium"] | None = None  # OpenAI's default; shorter or longer answers: nothing here does that
 
 
 class ReasoningConfig(_Strict):
@@ -213,7 +213,9 @@ class ResponsesRequest(_Strict):
     user: StrictStr | None = None
     prompt_cache_key: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
     safety_identifier: StrictStr | None = Field(None, max_length=MAX_LABEL_LENGTH)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default"] | None = None
+    context_management: None = None  # OpenAI's compaction of a long conversation: there is none here
     truncation: Literal["disabled"] | None = None  # "auto" would drop input items to fit: a 400 instead
     # Extra output. Encrypted reasoning carries the reasoning of a stateless conversation to its next turn (Codex
     # asks for it): here the reasoning comes as text in the item's `content`, and passed back that is read, so the

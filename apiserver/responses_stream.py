@@ -99,7 +99,18 @@ class ResponseEventWriter:
         return b"".join(events)
 
     def error(self, error) -> bytes:
-        return self._event("error", code=error.code or error.type, message=error.message, param=error.param)
+        """The error event, then the response as failed, OpenAI's last event of a failed response (a client that
+        waits for the response's end, as the openai package's stream helper and agents' runners do, gets one):
+        its `error` says why, its output is what came before (open items closed as incomplete)."""
+        events = [self._event("error", code=error.code or error.type, message=error.message, param=error.param)]
+        self._close_all(events, "incomplete")
+        failed = self._frame.response("failed", self._output)
+        # OpenAI's codes of a failed response: the server's failing, or the request's (a grammar the engine
+        # found failing later, a prompt it could not take).
+        failed["error"] = {"code": "server_error" if error.status >= 500 else "invalid_prompt",
+                           "message": error.message}
+        events.append(self._event("response.failed", response=failed))
+        return b"".join(events)
 
     # Items.
     def _text(self, events: list[bytes], kind: str, text: str) -> None:

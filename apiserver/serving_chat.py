@@ -73,10 +73,13 @@ class ChatServing(GenerationServing):
             raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
         ctx = self.ctx
         tools = tool_plan(req, ctx.config)
-        grammar = await requested_grammar(req, ctx.grammars, ctx.config.max_structured_output_choices)
-        if grammar is not None and tools.schema is not None:
-            raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `response_format` or "
-                                 "`structured_outputs`.", param="tool_choice")
+        if tools.schema is not None and req.structured_outputs is not None:
+            raise InvalidRequest("A `tool_choice` that forces a call cannot be combined with `structured_outputs`.",
+                                 param="tool_choice")
+        # A forced call's grammar wins over `response_format`, as in vLLM: that format is for the answer that comes
+        # after the call (openai-agents sends both, then lets the choice go once the tool has run).
+        grammar = None if tools.schema is not None else await requested_grammar(
+            req, ctx.grammars, ctx.config.max_structured_output_choices)
         prompt = await render_chat(
             ctx.renderer,
             req.messages,

@@ -42,6 +42,7 @@ def server_context(certfile: str, keyfile: str | None, ca_certs: str | None, cer
     curl and browsers offer h2 first, which this server does not speak)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION  # a client asking again and again costs the server a handshake each
     try:
         # A passphrase is refused rather than asked for on a terminal that a service does not have.
         context.load_cert_chain(certfile, keyfile, password=_no_passphrase)

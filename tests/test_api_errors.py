@@ -96,11 +96,18 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
     """What some clients send by default (legacy LangChain: logit_bias {}); anything more is still refused."""
     response = chat(http, max_tokens=1, logit_bias={}, functions=[], metadata={"team": "search"}, service_tier="auto")
     assert response.status_code == 200, response.text
+    # What the openai package, LangChain, llama-index and openai-agents forward when a user sets them: text only,
+    # the default verbosity, a cache hint, `store` (nothing is stored), no stream padding (none is made anyway).
+    response = chat(http, max_tokens=1, modalities=["text"], verbosity="medium", prompt_cache_retention="24h",
+                    store=True, stream=True, stream_options={"include_obfuscation": False})
+    assert response.status_code == 200, response.text
+    assert chat(http, max_tokens=1, verbosity=None, store=False).status_code == 200
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "best_of": 1})
     assert response.status_code == 200, response.text
     too_many = {f"k{i}": "v" for i in range(17)}  # OpenAI's metadata holds at most 16 pairs
     for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1}),
-                         ("metadata", too_many), ("modalities", ["audio"])):
+                         ("metadata", too_many), ("modalities", ["audio"]), ("modalities", ["text", "audio"]),
+                         ("verbosity", "high"), ("prompt_cache_retention", "forever")):
         assert field in assert_error(chat(http, **{field: value}), 400)["param"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
 
@@ -301,3 +308,22 @@ def test_a_compressed_body_is_a_415_and_an_uncompressed_one_passes(http, path, b
                                                                    ("content-encoding", "identity"),
                                                                    ("content-encoding", "gzip")])
     assert assert_error(response, 415, None)["code"] == "unsupported_content_encoding"
+
+
+def test_a_responses_stream_that_fails_ends_with_response_failed(sim):
+    """A failure mid-stream ended the Responses stream with an `error` event alone: a client waiting for the
+    response's terminal event (the openai package's stream helper, agents' runners) never got one. Now the error
+    event is followed by `response.failed`, OpenAI's, whose response says why."""
+    client = openai.OpenAI(base_url=sim.base_url, api_key="unused", max_retries=0, timeout=30)
+    with client.responses.stream(model=MODEL, input="hello", max_output_tokens=8,
+                                 extra_headers={"X-Request-Id": "sim-request-error-responses"}) as stream:
+        events = list(stream)
+        with pytest.raises(RuntimeError):
+            stream.get_final_response()  # only a completed response is final
+    assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]
+    error, failed = events[-2:]
+    assert error.type == "error" and error.message
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "server_error" and failed.response.error.message == error.message
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    type(failed.response).model_validate(failed.response.model_dump())  # as the openai package's types require

@@ -41,6 +41,10 @@ def test_text_whole_and_streamed(served):
     type(whole).model_validate(whole.model_dump())  # every field its types require, of the right type
     assert whole.instructions == "Answer in one word." and whole.store is False
     assert whole.completed_at >= whole.created_at
+    # Fields that ask for nothing done here: a cache hint, no compaction, the default verbosity.
+    same = client.responses.create(**args, prompt_cache_retention="in_memory", text={"verbosity": "medium"},
+                                   extra_body={"context_management": None})
+    assert same.output_text == whole.output_text
 
     events, final = _streamed(client.responses.stream(**args))
     kinds = [event.type for event in events]
@@ -138,6 +142,8 @@ def test_forced_function_call_and_its_output(served_with_tools):
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "thinking"}]}]}, "input"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "context_management": [{"type": "compaction"}]}, "context_management"),
+    ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),  # the model's template reads none
     ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "hi", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),

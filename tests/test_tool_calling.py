@@ -179,7 +179,7 @@ def test_bad_tool_requests_are_400(client, model):
         ({"tools": TOOLS + TOOLS[:1]}, "same function name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
           "tool_choice": "required"}, "frobnicate"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+        ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json_object": True}}, "cannot be combined"),
     ]
     for fields, words in bad:
         with pytest.raises(openai.BadRequestError) as caught:
@@ -270,3 +270,56 @@ def test_required_tools_from_pydantic_models_with_nested_models(client, model):
         (call,) = reply.choices[0].message.tool_calls
         models[call.function.name].model_validate_json(call.function.arguments)
         assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_with_a_response_format_makes_the_call(client, model):
+    """openai-agents sends its output type's schema with `tool_choice: required` (then lets the choice go once the
+    tool ran); instructor's RESPONSES_TOOLS mode does the same. As in vLLM, the forced call's grammar wins: the
+    reply is the call, valid against the tool's parameters; the format is for the answer after it."""
+    answer_format = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        reply = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                               response_format=answer_format, max_tokens=120, temperature=0)
+        names = _valid_calls(reply.choices[0].message.tool_calls)
+        assert names and reply.choices[0].finish_reason == "tool_calls"
+        if isinstance(tool_choice, dict):
+            assert names == ["get_time"]
+    answer = client.responses.create(model=model, input="What is the weather in Paris?", max_output_tokens=60,
+                                     tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+                                     tool_choice="required", text={"format": {"type": "json_schema", "name": "Answer",
+                                                                              "schema": answer_format["json_schema"]["schema"]}})
+    (call,) = [item for item in answer.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+def test_a_reply_passed_back_with_the_client_libraries_keys_is_read(client, model):
+    """Client libraries append a reply's message to the conversation as they hold it: LiteLLM with
+    `provider_specific_fields`, the openai package's `parse()` with `parsed`, OpenAI's own replies with
+    `annotations: []`, vLLM's newer replies with `reasoning`. Keys this server does not read are dropped, as vLLM
+    drops them (each was a 400 on the conversation's second turn); the reasoning under its newer name is rendered
+    as `reasoning_content` is. Keys of the request itself stay refused."""
+    first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=60, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    passed_back = {**first.model_dump(exclude_none=True), "provider_specific_fields": {"refusal": None},
+                   "parsed": None, "annotations": [], "reasoning": "the user wants the weather"}
+    passed_back["tool_calls"] = [{**passed_back["tool_calls"][0], "index": 0}]
+    history = [{**ASK[0], "provider_specific_fields": {}},
+               passed_back,
+               {"role": "tool", "tool_call_id": call.id, "content": [{"type": "text", "text": "sunny",
+                                                                      "cache_control": {"type": "ephemeral"}}]}]
+    tokenize = httpx.post(str(client.base_url.join("/tokenize")), json={"model": model, "messages": history,
+                                                                   "add_generation_prompt": True}, timeout=60)
+    assert tokenize.status_code == 200, tokenize.text
+    answer = client.chat.completions.create(model=model, messages=history, max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    clean = [ASK[0], {"role": "assistant", "tool_calls": passed_back["tool_calls"],
+                      "reasoning_content": "the user wants the weather"},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    same = httpx.post(str(client.base_url.join("/tokenize")), json={"model": model, "messages": clean,
+                                                               "add_generation_prompt": True}, timeout=60)
+    assert same.json()["tokens"] == tokenize.json()["tokens"]
+    with pytest.raises(openai.BadRequestError, match="provider_specific_fields"):
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
+                                       extra_body={"provider_specific_fields": {}})
