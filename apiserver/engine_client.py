@@ -13,7 +13,8 @@ Each request gets a RequestStream (apiserver/request_stream.py) that the reader 
 outputs as they arrive, one batch per engine step. A request goes to the least
 loaded engine (apiserver/engine_loads.py states the rule), or to the data-parallel rank its caller names.
 An engine that is down (ENGINE_DEAD, the supervisor's mark in shared memory, missed pings) fails the requests
-it runs at once and gets no more; the others serve on. Down is final for this server: a rank that comes back
+it runs at once and gets no more; the others serve on. A remote engine whose connection dropped (and came back)
+fails the requests it ran then, whose outputs may have been lost on the way (apiserver/engine_links.py). Down is final for this server: a rank that comes back
 (a headless node that registered again) is reached by the API servers the supervisor starts after it.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import zmq
 
 from apiserver.engine_errors import EngineDeadError, StreamBacklogFull, UnknownRank
+from apiserver.engine_links import EngineLinks
 from apiserver.engine_loads import EngineLoads, GroupInFlight
 from apiserver.request_stream import Backlogs, RequestStream
 from ipc import codec
@@ -58,6 +60,7 @@ class EngineClient:
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
+        self._links = EngineLinks(self._sockets, list(addresses), self._link_dropped)
         self.addresses = list(addresses)
         self.ranks = list(ranks) if ranks else list(range(len(addresses)))
         self._position = {rank: i for i, rank in enumerate(self.ranks)}
@@ -88,6 +91,7 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         for engine, sock in enumerate(self._sockets):
             self._loop.add_reader(sock.fileno(), self._drain, engine)
+        self._links.watch(self._loop)
         await asyncio.wait_for(
             asyncio.gather(*(self.call_utility(i, "ping") for i in self.usable())), ping_timeout
         )
@@ -104,6 +108,7 @@ class EngineClient:
         for sock in self._sockets:
             if self._loop is not None and not sock.closed:
                 self._loop.remove_reader(sock.fileno())
+        self._links.close(self._loop)
         for sock in self._sockets:
             sock.close(linger=0)
         self._ctx.term()
@@ -246,6 +251,22 @@ class EngineClient:
             if owner == engine and not future.done():
                 future.set_exception(error)
 
+    def _link_dropped(self, engine: int) -> None:
+        """`engine`'s TCP connection dropped (apiserver/engine_links.py): what it ran may have lost outputs."""
+        if engine in self.down:
+            return
+        failed = {id(s): s for s in self._streams.values() if engine in s.engines.values()}
+        rank = self.ranks[engine]
+        log.log(logging.WARNING if failed else logging.INFO, "the connection to engine core DP%d (%s) dropped; "
+                "%d request(s) in flight there failed", rank, self.addresses[engine], len(failed))
+        self.fail_requests_on(engine, f"the connection to engine core DP{rank} dropped while the request ran "
+                              f"(the network to its node failed, or the engine stopped answering): outputs of the "
+                              f"request may have been lost")
+
+    def fail_requests_on(self, engine: int, reason: str) -> None:
+        """`engine`'s requests in flight fail now (503, or an error event in a stream), with `reason`."""
+        self._fail_streams(EngineDeadError(reason), engine)
+
     def fail_in_flight(self, reason: str) -> None:
         """Every request in flight fails now (503, or an error event in a stream), with `reason`."""
         self._fail_streams(EngineDeadError(reason))
@@ -340,6 +361,7 @@ class EngineClient:
 
     def _read(self, engine: int) -> None:
         sock = self._sockets[engine]
+        self._links.check(engine)  # a drop is seen before the outputs that came after it
         slice_ends = time.monotonic() + DRAIN_SLICE_SECONDS
         while not sock.closed:
             if time.monotonic() >= slice_ends:

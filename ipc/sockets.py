@@ -5,7 +5,9 @@ reconnects under the same identity.
 An engine on the supervisor's own node listens on ipc:// in the group's runtime directory (mode 0700); one on a
 headless node listens on TCP, authenticated with CURVE when the deployment has a key (ipc/curve.py). TCP
 sockets also send ZMTP heartbeats, so a connection to a peer that vanished without a FIN (a network partition,
-a powered-off machine) is dropped and retried within seconds instead of hanging on a dead TCP connection."""
+a powered-off machine) is dropped and retried within seconds instead of hanging on a dead TCP connection. What was
+on its way over a dropped connection is lost (a ROUTER drops what it cannot route): the API servers fail the
+requests that ran over it (apiserver/engine_links.py)."""
 from __future__ import annotations
 
 import os

@@ -28,6 +28,7 @@ from ipc.shared_state import RANK_NODE_LEFT, RANK_NODE_SILENT
 from ipc.sockets import bind_router, is_tcp, tcp_address
 from supervisor.events import RankJoined, RankLost
 from supervisor.layout import Layout
+from supervisor.refused_handshakes import RefusedHandshakes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Registry:
         except zmq.ZMQError as exc:
             self._zmq.term()
             raise OSError(f"cannot listen for headless nodes on {self.address}: {exc}") from None
+        self._refused_handshakes = RefusedHandshakes(self._sock, keyed=curve is not None)
         self.ranks: dict[int, _Registration] = {}
         self._events: list = []
         # Node ids refused once: one error line each. The last REFUSED_KEPT only: the ids come from the network,
@@ -66,7 +68,7 @@ class Registry:
 
     # For the event source.
     def filenos(self) -> list[int]:
-        return [self._sock.fileno()]
+        return [self._sock.fileno(), self._refused_handshakes.fileno()]
 
     def seconds_to_next(self) -> float | None:
         if not self.ranks:
@@ -76,6 +78,7 @@ class Registry:
 
     def take(self) -> list:
         """What happened since the last call: RankJoined and RankLost events."""
+        self._refused_handshakes.take()
         while True:
             try:
                 identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -100,6 +103,7 @@ class Registry:
         return {rank: r.address for rank, r in self.ranks.items()}
 
     def close(self) -> None:
+        self._refused_handshakes.close()
         self._sock.close(linger=0)
         self._zmq.term()
 

@@ -21,6 +21,7 @@ class BackgroundLoad:
         self.deadline = time.monotonic() + max_seconds  # bounded whatever the test does
         self.ok = 0
         self.failures: list[str] = []
+        self.slowest = 0.0  # seconds, the longest any request took
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
@@ -41,8 +42,10 @@ class BackgroundLoad:
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=60, headers=self.headers) as client:
             while not self._stop.is_set() and time.monotonic() < self.deadline:
+                started = time.monotonic()
                 outcome = self._one(client)
                 with self._lock:
+                    self.slowest = max(self.slowest, time.monotonic() - started)
                     if outcome is None:
                         self.ok += 1
                     else:

@@ -210,3 +210,26 @@ def test_a_peer_refused_again_is_logged_again_after_a_while(monkeypatch, caplog)
     refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
     assert zap.answers == [b"400"] * 5
     assert [m.split()[4] for m in refused] == ["10.0.0.5:", "10.0.0.6:", "10.0.0.5:"]
+
+
+def test_a_node_with_another_key_or_none_is_named_in_the_head_s_log(deployment, key_file, tmp_path):
+    """Such a node never reaches the ZAP handler that logs a refused key: with another key the head cannot open its
+    first message, with none the two sides' mechanisms differ, and ZMQ dropped the connection without a word
+    while the node said "its log says 'refused a connection'". Now the head's log says it, once a minute."""
+    rpc = free_port()
+    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", "--data-parallel-key-file",
+                                    key_file), wait=False)
+    other = tmp_path / "other.key"
+    other.write_text(os.urandom(32).hex() + "\n")
+    other.chmod(0o600)
+    for key, words in ((["--data-parallel-key-file", str(other)], "it does not hold the data-parallel key"),
+                       ([], "a node without --data-parallel-key-file, where this head has one")):
+        node = deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1", *key), wait=False)
+        deadline = time.monotonic() + 20
+        while f"refused a connection to the registration port: {words}" not in head.log():
+            assert time.monotonic() < deadline, head.log()[-3000:]
+            time.sleep(0.2)
+        node.stop()
+    lines = [line for line in head.log().splitlines() if "refused a connection to the registration port" in line]
+    assert len(lines) == 2, lines  # one each, not one per retry
+    assert "registered" not in head.log()
