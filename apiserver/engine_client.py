@@ -14,8 +14,9 @@ outputs as they arrive, one batch per engine step. A request goes to the least
 loaded engine (apiserver/engine_loads.py states the rule), or to the data-parallel rank its caller names.
 An engine that is down (ENGINE_DEAD, the supervisor's mark in shared memory, missed pings) fails the requests
 it runs at once and gets no more; the others serve on. A remote engine whose connection dropped (and came back)
-fails the requests it ran then, whose outputs may have been lost on the way (apiserver/engine_links.py). Down is final for this server: a rank that comes back
-(a headless node that registered again) is reached by the API servers the supervisor starts after it.
+fails the requests it ran then, whose outputs may have been lost on the way (apiserver/engine_links.py). Down is
+final for this server: a rank that comes back (a headless node that registered again) is reached by the API
+servers the supervisor starts after it.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class EngineClient:
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
         self._sockets = [connect_dealer(self._ctx, address, identity, curve) for address in addresses]
-        self._links = EngineLinks(self._sockets, list(addresses), self._link_dropped)
+        self._links = EngineLinks(self._sockets, list(addresses))
         self.addresses = list(addresses)
         self.ranks = list(ranks) if ranks else list(range(len(addresses)))
         self._position = {rank: i for i, rank in enumerate(self.ranks)}
@@ -91,7 +92,8 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         for engine, sock in enumerate(self._sockets):
             self._loop.add_reader(sock.fileno(), self._drain, engine)
-        self._links.watch(self._loop)
+        for engine, fd in self._links.watched():
+            self._loop.add_reader(fd, self._check_link, engine)
         await asyncio.wait_for(
             asyncio.gather(*(self.call_utility(i, "ping") for i in self.usable())), ping_timeout
         )
@@ -251,9 +253,10 @@ class EngineClient:
             if owner == engine and not future.done():
                 future.set_exception(error)
 
-    def _link_dropped(self, engine: int) -> None:
-        """`engine`'s TCP connection dropped (apiserver/engine_links.py): what it ran may have lost outputs."""
-        if engine in self.down:
+    def _check_link(self, engine: int) -> None:
+        """Whether `engine`'s TCP connection dropped (apiserver/engine_links.py): what it ran may have lost
+        outputs."""
+        if not self._links.drops(engine) or engine in self.down:
             return
         failed = {id(s): s for s in self._streams.values() if engine in s.engines.values()}
         rank = self.ranks[engine]
@@ -361,7 +364,7 @@ class EngineClient:
 
     def _read(self, engine: int) -> None:
         sock = self._sockets[engine]
-        self._links.check(engine)  # a drop is seen before the outputs that came after it
+        self._check_link(engine)  # a drop is seen before the outputs that came after it
         slice_ends = time.monotonic() + DRAIN_SLICE_SECONDS
         while not sock.closed:
             if time.monotonic() >= slice_ends:

@@ -12,7 +12,6 @@ read before it. Local engines (ipc://) have no such link: their connection ends 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -22,28 +21,29 @@ from ipc.sockets import is_tcp
 
 
 class EngineLinks:
-    """The monitors of the engines' TCP connections; `on_drop(engine)` for each connection that dropped."""
+    """The monitors of the engines' TCP connections (None for a local engine). It holds no callback into the
+    engine client: a cycle between them left the client's ZMQ context to the cyclic garbage collector, whose
+    clearing of weak references first left its sockets unclosed and its term() waiting forever."""
 
-    def __init__(self, sockets: list[zmq.Socket[Any]], addresses: list[str], on_drop: Callable[[int], None]):
+    def __init__(self, sockets: list[zmq.Socket[Any]], addresses: list[str]):
         self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if is_tcp(address) else None
                           for sock, address in zip(sockets, addresses)]
-        self._on_drop = on_drop
 
-    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        for engine, monitor in enumerate(self._monitors):
-            if monitor is not None:
-                loop.add_reader(monitor.fileno(), self.check, engine)
+    def watched(self) -> list[tuple[int, int]]:
+        """(engine, the file descriptor that signals its monitor's events) for each engine on TCP."""
+        return [(engine, monitor.fileno()) for engine, monitor in enumerate(self._monitors) if monitor is not None]
 
-    def check(self, engine: int) -> None:
-        """Every drop of `engine`'s connection reported since the last check (the FD only signals a change)."""
+    def drops(self, engine: int) -> int:
+        """How many times `engine`'s connection dropped since the last call (the FD only signals a change)."""
         monitor = self._monitors[engine]
+        dropped = 0
         while monitor is not None and not monitor.closed:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._on_drop(engine)
+                break
+            dropped += event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
 
     def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
         for monitor in self._monitors:

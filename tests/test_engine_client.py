@@ -20,5 +20,25 @@ def test_a_request_that_cannot_be_encoded_is_not_left_in_flight(tmp_path):
         assert client.num_in_flight == 1 and client.loads.in_flight == [1]
         client.release(stream)
         assert client.num_in_flight == 0 and client.loads.in_flight == [0]
+        await client.close()
 
     asyncio.run(main())
+
+
+def test_a_client_left_unclosed_is_freed_without_hanging():
+    """An engine client that is dropped without close() (a test, a server that failed at start) is freed by
+    reference counting: in a reference cycle it was left to the cyclic garbage collector, which clears weak
+    references first, so its ZMQ context found no socket to close and waited in term() forever (a whole test
+    run hung at its end). A child Python, so that a hang is a timeout here, not this process's."""
+    import subprocess
+    import sys
+
+    script = ("import asyncio, gc\n"
+              "from apiserver.engine_client import EngineClient\n"
+              "async def main():\n"
+              "    EngineClient(['tcp://127.0.0.1:9', 'ipc:///nonexistent/engine'], index=0)\n"
+              "asyncio.run(main())\n"
+              "gc.collect()\n"
+              "print('freed')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "freed" in done.stdout, done.stderr
