@@ -25,7 +25,7 @@ from apiserver.write_batch import WriteBatch
 from ipc.config import ServeConfig
 from ipc.lifeline import supervisor_gone
 from ipc.shared_state import GroupState
-from ipc.tls import server_context
+from ipc.tls import kept_files, server_context
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def build_http_server(app, config: ServeConfig, group: GroupState, index: int, m
                               max_header_bytes=config.max_request_header_bytes)
     tls = None
     if config.ssl_certfile:  # checked by the supervisor before anything started
-        tls = server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs, config.ssl_cert_reqs)
+        tls = server_context(*kept_files(config), config.ssl_cert_reqs)
     return ApiHttpServer(uv_config, policy, group, index, config.accept_backoff_ms / 1000.0, config.shutdown_timeout,
                          cut_requests, tls)
 

@@ -1,16 +1,25 @@
 """TLS on the API port (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs: vLLM's and uvicorn's names).
 
 The supervisor builds the context once before anything starts, so that a missing file, a key that is not its
-certificate's or one under a passphrase is one line and exit 2, not an API server dying at start; each API server
-then builds its own from the same files (an SSLContext does not cross processes). So a renewed certificate is
-served after a rolling restart (SIGHUP, `systemctl reload`), which the supervisor begins only once the files it
-would read make a context; else it logs why and the servers serve on with what they read.
+certificate's or one under a passphrase is one line and exit 2, not an API server dying at start. Then it keeps a
+copy of the files in the group's runtime directory (`keep_files`), and every API server builds its own context
+from that copy (an SSLContext does not cross processes). An API server restarted after a crash therefore reads
+what was checked, whatever has become of the operator's files since: a renewal half written, or refused at SIGHUP,
+had made every replacement die at start, and the restarts' budget then took the whole group down. A renewed
+certificate is served after a rolling restart (SIGHUP, `systemctl reload`), which the supervisor begins only once
+the new files make a context and their copy is in place; else it logs why and the servers serve on with the last.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import ssl
+import tempfile
 
 from ipc.config import ServeConfig
+
+KEPT = "tls"  # the runtime directory's link to the last checked copy of the files
+_NAMES = ("cert.pem", "key.pem", "ca.pem")
 
 # --ssl-cert-reqs: Python's ssl module's values, as vLLM and uvicorn take them.
 CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
@@ -34,6 +43,42 @@ def tls_problem(config: ServeConfig) -> str | None:
     except BadTls as exc:
         return str(exc)
     return None
+
+
+def keep_files(config: ServeConfig) -> str | None:
+    """Check the TLS files, then copy them where the API servers read them (`kept_files`): a new directory under
+    the runtime directory, checked again (the files may change while they are read), then put in place of the
+    last one at once (a link replaced). Why not, in one line; None once done."""
+    problem = tls_problem(config)
+    if problem is not None or config.ssl_certfile is None:
+        return problem
+    fresh = tempfile.mkdtemp(prefix="tls-", dir=config.runtime_dir)  # mode 0700: the key is readable by us alone
+    originals = (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    try:
+        for name, original in zip(_NAMES, originals):
+            if original:
+                shutil.copyfile(original, os.path.join(fresh, name))
+        copies = _files_in(fresh, originals)
+        server_context(copies[0], copies[1], copies[2], config.ssl_cert_reqs)
+    except (OSError, BadTls) as exc:
+        shutil.rmtree(fresh, ignore_errors=True)
+        return f"the TLS files changed while they were read; try again ({exc})"
+    link = os.path.join(config.runtime_dir, KEPT)
+    os.symlink(fresh, link + ".new")
+    os.replace(link + ".new", link)
+    return None
+
+
+def kept_files(config: ServeConfig) -> tuple[str, str | None, str | None]:
+    """The certificate, key and CA files an API server reads: the last checked copy (keep_files)."""
+    return _files_in(os.path.join(config.runtime_dir, KEPT), (config.ssl_certfile, config.ssl_keyfile,
+                                                                config.ssl_ca_certs))
+
+
+def _files_in(directory: str, originals: tuple[str | None, ...]) -> tuple[str, str | None, str | None]:
+    cert, key, ca = (os.path.join(directory, name) if original else None for name, original in zip(_NAMES, originals))
+    assert cert is not None
+    return cert, key, ca
 
 
 def server_context(certfile: str, keyfile: str | None, ca_certs: str | None, cert_reqs: int,

@@ -12,6 +12,7 @@ from setproctitle import setproctitle
 from ipc.config import ServeConfig
 from ipc.curve import KeyProblem, load_keys, warn_if_unauthenticated
 from ipc.logs import setup_logging
+from ipc.tls import keep_files
 from supervisor.events import EventSource, Timers
 from supervisor.grpc_mode import reserve_port
 from supervisor.group import ProcessGroup
@@ -74,6 +75,10 @@ def serve(config: ServeConfig) -> int:
     # It outlives each group restarted in place (--on-engine-failure restart), to count them.
     group_restarts = RestartBudget(config.max_engine_restarts, config.engine_restart_window)
     try:
+        problem = keep_files(config)  # the copy of the TLS files that the API servers read (ipc/tls.py)
+        if problem is not None:
+            print(f"supervise: error: {problem}", file=sys.stderr)
+            return 2
         while True:
             outcome = _run_group_once(config, listen_socket, inbox, notifier, host, port, registry, curve,
                                       group_restarts)

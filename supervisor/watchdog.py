@@ -12,7 +12,7 @@ import logging
 import signal
 from collections import deque
 
-from ipc.tls import tls_problem
+from ipc.tls import keep_files
 from supervisor.children import Child
 from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankJoined, RankLost, SignalArrived,
@@ -91,7 +91,7 @@ class Watchdog:
         if self.engine_failed:
             return None
         if signum == signal.SIGHUP:
-            problem = tls_problem(self.config)  # the new servers read the TLS files again (renewed certificates)
+            problem = keep_files(self.config)  # the new servers read the TLS files' new copy (a renewal)
             if problem:
                 log.error("SIGHUP: no rolling restart, the API servers serve on as they are: %s", problem)
             else:

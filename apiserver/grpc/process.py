@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Coroutine
 from typing import Any
 
-import grpc
+# grpcio's core logs each failed TLS handshake on stderr at INFO, past our format and our throttle: a client that
+# sends plain bytes to a TLS port wrote 2,000 lines in 0.3 s. Its errors only, unless the operator says otherwise.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import grpc  # noqa: E402
 import uvloop
 
 from apiserver.admission import AdmissionControl
@@ -35,6 +40,7 @@ from apiserver.process import ENGINE_GONE_EXIT_CODE, enter_process, reach_engine
 from apiserver.server import StopSignals, beat_forever
 from ipc.config import ServeConfig
 from ipc.heap import freeze_start_up
+from ipc.tls import kept_files
 from ipc.launch import ApiServerLaunch
 from ipc.lifeline import supervisor_gone
 
@@ -56,6 +62,9 @@ SERVER_OPTIONS = (
     # sends nothing; without these grpcio answers such pings with GOAWAY "too_many_pings".
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A TLS handshake has as long as an HTTP request's headers (--timeout-request-header's default): grpcio's own
+    # is 120 s, for which a client that sends half a ClientHello held a connection.
+    ("grpc.server_handshake_timeout_ms", int(ServeConfig.timeout_request_header * 1000)),
 )
 
 
@@ -183,13 +192,14 @@ class _HealthReport:
 
 
 def tls_credentials(config: ServeConfig) -> grpc.ServerCredentials:
-    """--ssl-*: grpcio's TLS (its own, from the PEM files' bytes; the supervisor checked them with Python's)."""
+    """--ssl-*: grpcio's TLS, from the bytes of the files' checked copy (ipc.tls.kept_files)."""
     def read(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
 
-    certificate = read(config.ssl_certfile)
-    key = read(config.ssl_keyfile) if config.ssl_keyfile else certificate  # or in the certificate's file
+    certfile, keyfile, ca_certs = kept_files(config)
+    certificate = read(certfile)
+    key = read(keyfile) if keyfile else certificate  # or in the certificate's file
     return grpc.ssl_server_credentials([(key, certificate)],
-                                       root_certificates=read(config.ssl_ca_certs) if config.ssl_ca_certs else None,
+                                       root_certificates=read(ca_certs) if ca_certs else None,
                                        require_client_auth=config.ssl_cert_reqs == 2)
