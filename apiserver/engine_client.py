@@ -262,6 +262,9 @@ class EngineClient:
         rank = self.ranks[engine]
         log.log(logging.WARNING if failed else logging.INFO, "the connection to engine core DP%d (%s) dropped; "
                 "%d request(s) in flight there failed", rank, self.addresses[engine], len(failed))
+        # No new work there until it answers a ping again (engine_watch clears this): sent now, a request would
+        # wait for the link to come back.
+        self.set_unanswered(engine, f"the connection to engine core DP{rank} dropped")
         self.fail_requests_on(engine, f"the connection to engine core DP{rank} dropped while the request ran "
                               f"(the network to its node failed, or the engine stopped answering): outputs of the "
                               f"request may have been lost")

@@ -53,7 +53,7 @@ class RefusedHandshakes:
             return
         count, self._since[code] = self._since[code], 0
         self._logged_at[code] = now
-        log.warning("refused a connection to the registration port: %s (%d in the last minute at most; ZMQ does not "
+        log.warning("refused a connection to the registration port: %s (%d such since the last line; ZMQ does not "
                     "say from where)", self._reason(code), count)
 
     def _reason(self, code: int) -> str:
