@@ -42,7 +42,8 @@ class BalancedAcceptor:
                  backoff_seconds: float, tls: ssl.SSLContext | None = None, handshake_timeout: float = 30.0):
         self._sock = listen_socket
         self._tls = tls
-        self._handshake_timeout = handshake_timeout
+        # (connect_accepted_socket refuses a handshake timeout without TLS)
+        self._handshake_timeout = handshake_timeout if tls is not None else None
         self._sock.setblocking(False)
         self._factory = protocol_factory
         self._state = state
@@ -137,11 +138,8 @@ class BalancedAcceptor:
 
     async def _connect(self, conn: socket.socket, protocol) -> None:
         try:
-            if self._tls is None:
-                await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
-            else:
-                await self._loop.connect_accepted_socket(lambda: protocol, sock=conn, ssl=self._tls,
-                                                         ssl_handshake_timeout=self._handshake_timeout)
+            await self._loop.connect_accepted_socket(lambda: protocol, sock=conn, ssl=self._tls,
+                                                     ssl_handshake_timeout=self._handshake_timeout)
         except OSError:  # ssl.SSLError and TimeoutError among them; the protocol never saw the connection
             self._count(-1)
             conn.close()

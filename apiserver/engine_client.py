@@ -258,30 +258,32 @@ class EngineClient:
         outputs."""
         if not self._links.drops(engine) or engine in self.down:
             return
-        failed = {id(s): s for s in self._streams.values() if engine in s.engines.values()}
         rank = self.ranks[engine]
-        log.log(logging.WARNING if failed else logging.INFO, "the connection to engine core DP%d (%s) dropped; "
-                "%d request(s) in flight there failed", rank, self.addresses[engine], len(failed))
         # No new work there until it answers a ping again (engine_watch clears this): sent now, a request would
         # wait for the link to come back.
         self.set_unanswered(engine, f"the connection to engine core DP{rank} dropped")
-        self.fail_requests_on(engine, f"the connection to engine core DP{rank} dropped while the request ran "
-                              f"(the network to its node failed, or the engine stopped answering): outputs of the "
-                              f"request may have been lost")
+        failed = self.fail_requests_on(engine, f"the connection to engine core DP{rank} dropped while the request "
+                                       f"ran (the network to its node failed, or the engine stopped answering): "
+                                       f"outputs of the request may have been lost")
+        log.log(logging.WARNING if failed else logging.INFO, "the connection to engine core DP%d (%s) dropped; "
+                "%d request(s) in flight there failed", rank, self.addresses[engine], failed)
 
-    def fail_requests_on(self, engine: int, reason: str) -> None:
-        """`engine`'s requests in flight fail now (503, or an error event in a stream), with `reason`."""
-        self._fail_streams(EngineDeadError(reason), engine)
+    def fail_requests_on(self, engine: int, reason: str) -> int:
+        """`engine`'s requests in flight fail now (503, or an error event in a stream), with `reason`; how many."""
+        return self._fail_streams(EngineDeadError(reason), engine)
 
     def fail_in_flight(self, reason: str) -> None:
         """Every request in flight fails now (503, or an error event in a stream), with `reason`."""
         self._fail_streams(EngineDeadError(reason))
 
-    def _fail_streams(self, error: EngineDeadError, engine: int | None = None) -> None:
-        """Fail the requests in flight (on `engine` only, unless None)."""
+    def _fail_streams(self, error: EngineDeadError, engine: int | None = None) -> int:
+        """Fail the requests in flight (on `engine` only, unless None); how many."""
+        failed = 0
         for stream in {id(s): s for s in self._streams.values()}.values():  # (one entry per engine request)
             if engine is None or engine in stream.engines.values():
                 stream.fail(error)
+                failed += 1
+        return failed
 
     def mark_rank_down(self, rank: int, reason: str) -> None:
         engine = self._position.get(rank)

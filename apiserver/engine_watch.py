@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 async def watch_engines(engine: EngineClient, interval: float, on_gone, sync=None) -> None:
     """Probes every engine not down each `interval` seconds (UTILITY stats: the answer also refreshes the
     engine's load for balancing); calls on_gone(reason) once one missed MISSED_PINGS_FOR_GONE probes in a row
-    while no other answers, then returns. Returns too once every engine is down (the supervisor acts on that). `sync()`, before each
-    round, takes the ranks the supervisor marked down: a rank whose node is gone is not missed, it is down."""
+    while no other answers, then returns. Returns too once every engine is down (the supervisor acts on that).
+    `sync()`, before each round, takes the ranks the supervisor marked down: a rank whose node is gone is not
+    missed, it is down."""
     missed = [0] * engine.num_engines
     last_answer = [time.monotonic()] * engine.num_engines
     while True:

@@ -80,7 +80,7 @@ def run_api_server(launch: ApiServerLaunch) -> None:
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(_serve(launch, group, renderer, stop))
-    except BadTls as exc:  # the files changed since the supervisor checked them
+    except BadTls as exc:  # the checked copy (ipc.tls.kept_files) no longer reads: the runtime directory changed
         log.error("cannot serve TLS: %s", exc)
         raise SystemExit(1) from None
     group.close()

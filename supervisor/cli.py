@@ -229,7 +229,7 @@ def _positive(click_context, param, value):
 @click.option("--timeout-request-header", default=_DEFAULTS.timeout_request_header, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="Seconds a request's headers may take in all, and its body between two reads; then 408 and "
-                   "the connection is closed.")
+                   "the connection is closed. Also a TLS handshake's bound (with --grpc, only that).")
 @click.option("--engine-ping-interval", default=_DEFAULTS.engine_ping_interval, show_default=True,
               type=click.FloatRange(0.1), help="Seconds between an API server's pings of each engine: one "
               "unanswered this long turns /health to 503, three in a row stop the API server; the supervisor pings its "

@@ -102,12 +102,14 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
                     store=True, stream=True, stream_options={"include_obfuscation": False})
     assert response.status_code == 200, response.text
     assert chat(http, max_tokens=1, verbosity=None, store=False).status_code == 200
+    assert_error(chat(http, max_tokens=1, stream=True, stream_options={"include_obfuscation": "no"}), 400,
+                 "stream_options.include_obfuscation")
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "best_of": 1})
     assert response.status_code == 200, response.text
     too_many = {f"k{i}": "v" for i in range(17)}  # OpenAI's metadata holds at most 16 pairs
     for field, value in (("service_tier", "flex"), ("functions", [{"name": "f"}]), ("metadata", {"n": 1}),
                          ("metadata", too_many), ("modalities", ["audio"]), ("modalities", ["text", "audio"]),
-                         ("verbosity", "high"), ("prompt_cache_retention", "forever")):
+                         ("verbosity", "high"), ("prompt_cache_retention", "forever"), ("store", "yes")):
         assert field in assert_error(chat(http, **{field: value}), 400)["param"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
 

@@ -143,7 +143,8 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_the_ca(pki):
 
 
 def test_grpc_over_tls(pki):
-    server = Supervise("--model", MODEL, "--grpc", "--ssl-certfile", pki["cert"], "--ssl-keyfile", pki["key"])
+    server = Supervise("--model", MODEL, "--grpc", "--ssl-certfile", pki["cert"], "--ssl-keyfile", pki["key"],
+                       "--timeout-request-header", "2")
     try:
         deadline = time.monotonic() + 120
         while "on grpcs://" not in server.log():
@@ -168,6 +169,17 @@ def test_grpc_over_tls(pki):
                 raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(1)
         assert server.log().count("Handshake failed") < 5, server.log()[-2000:]
+        # Half a ClientHello, then nothing: closed after --timeout-request-header (grpcio's own bound was 120 s).
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"\x16\x03\x01\x02\x00\x01")
+            raw.settimeout(30)
+            started = time.monotonic()
+            try:
+                while raw.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < 10
     finally:
         server.stop()
 

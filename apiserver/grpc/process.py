@@ -62,9 +62,6 @@ SERVER_OPTIONS = (
     # sends nothing; without these grpcio answers such pings with GOAWAY "too_many_pings".
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    # A TLS handshake has as long as an HTTP request's headers (--timeout-request-header's default): grpcio's own
-    # is 120 s, for which a client that sends half a ClientHello held a connection.
-    ("grpc.server_handshake_timeout_ms", int(ServeConfig.timeout_request_header * 1000)),
 )
 
 
@@ -106,7 +103,10 @@ async def _serve(ctx: ServerContext, ready, stop: StopSignals) -> int:
         await reach_engines(engine)
         # --max-request-body-bytes bounds a request message, as it bounds an HTTP body.
         server = grpc.aio.server(
-            options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes))
+            options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_request_body_bytes),
+                     # A TLS handshake has --timeout-request-header, as over HTTP: grpcio's own bound is 120 s, for
+                     # which a client that sent half a ClientHello held a connection.
+                     ("grpc.server_handshake_timeout_ms", int(config.timeout_request_header * 1000)))
         )
         health.servicer = add_services(server, VllmEngineService(ctx),
                                        LargeBodyBudget(config.max_large_request_bodies_mb))
