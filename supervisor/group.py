@@ -14,6 +14,8 @@ import multiprocessing
 import socket
 from collections.abc import Collection
 
+import psutil
+
 from ipc.config import ServeConfig
 from ipc.curve import CurveKeys
 from ipc.model_info import EngineReady, ModelInfo
@@ -134,6 +136,19 @@ class ProcessGroup:
         child.stop()
         self.draining.append(child)
         return child
+
+    def still_listens(self, child: Child) -> bool:
+        """Whether `child` still holds a listening socket on the group's port: a drained server stops accepting
+        when its event loop gets to the SIGTERM, a moment after it was sent. The kernel's view, so an HTTP server's
+        copy of the shared socket and a gRPC server's own socket count alike."""
+        if not child.alive or self.listen_socket is None:
+            return False
+        port = self.listen_socket.getsockname()[1]
+        try:
+            sockets = psutil.Process(child.process.pid).net_connections("tcp")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+        return any(s.status == psutil.CONN_LISTEN and s.laddr.port == port for s in sockets)
 
     def kill(self, child: Child, reason: str) -> None:
         child.kill(reason)

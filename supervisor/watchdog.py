@@ -30,6 +30,12 @@ ENGINE_FAILURE_GRACE = 2.0
 _TICK = "tick"
 _ENGINE_GRACE = "engine-grace"
 _RESTART = "restart"  # timer key (_RESTART, index): start the replacement of a dead API server
+_ROLL_END = "roll-end"  # the last rolling restart's drained servers: have they stopped listening?
+# A drained server stops accepting once its event loop gets to the SIGTERM (milliseconds, or a busy moment). The
+# rolling restart ends (READY=1 to systemd, `systemctl reload` returns) only after, so nothing accepted later is
+# served by the old configuration; a server that still listens after ROLL_END_LIMIT is left to its heartbeat.
+ROLL_END_POLL = 0.05
+ROLL_END_LIMIT = 10.0
 
 
 class Outcome(enum.Enum):
@@ -53,6 +59,8 @@ class Watchdog:
         self.to_roll: deque[int] = deque()  # SIGHUP: indices still to replace
         self.rolling = False
         self.roll_again = False  # a rank came back during a rolling restart: roll once more when it ends
+        self.rolled_out: list[Child] = []  # the servers this rolling restart drained
+        self.roll_end_deadline = 0.0
         self.engine_failed = False  # the group goes down when the grace ends; nothing is restarted meanwhile
         self.liveness = EngineLiveness(self.config.engine_ping_interval)
         # systemd's watchdog wants a ping every half period: tick at least that often.
@@ -120,6 +128,18 @@ class Watchdog:
             if old in self.group.api_servers:
                 self.group.replace(old, set(self.restarts_due))
                 return
+        self.roll_end_deadline = self.timers.clock() + ROLL_END_LIMIT
+        self._end_roll_once_closed()
+
+    def _end_roll_once_closed(self) -> None:
+        listening = [c for c in self.rolled_out if self.group.still_listens(c)]
+        if listening and self.timers.clock() < self.roll_end_deadline:
+            self.timers.set(_ROLL_END, ROLL_END_POLL)
+            return
+        if listening:
+            log.warning("%s still listen(s) %.0f s after their drain began: ending the rolling restart anyway",
+                        ", ".join(c.name for c in listening), ROLL_END_LIMIT)
+        self.rolled_out = []
         self.rolling = False
         self.notifier.ready(self._status())
         log.info("rolling restart done")
@@ -140,7 +160,7 @@ class Watchdog:
         log.info("%s ready", child.name)
         if child.replaces is not None:
             if child.replaces in self.group.api_servers:
-                self.group.drain(child.replaces)
+                self.rolled_out.append(self.group.drain(child.replaces))
             self._replace_next()
 
     # Deaths.
@@ -230,6 +250,8 @@ class Watchdog:
             if not self.engine_failed and not self.restarts_due and all(c.alive for c in self.group.api_servers.values()):
                 self.notifier.watchdog_if_due()
             self.timers.set(_TICK, self.tick)
+        elif key == _ROLL_END:
+            self._end_roll_once_closed()
         elif key == _ENGINE_GRACE:
             log.error("an engine core is gone: taking the group down")
             return Outcome.FAIL

@@ -12,7 +12,7 @@ from supervisor.children import Child
 from supervisor.events import ChildExited, ChildReady, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
 from supervisor.restart_policy import RestartBudget
-from supervisor.watchdog import ENGINE_FAILURE_GRACE, Outcome, Watchdog
+from supervisor.watchdog import ENGINE_FAILURE_GRACE, ROLL_END_POLL, ROLL_END_LIMIT, Outcome, Watchdog
 
 SIGKILLED = -signal.SIGKILL
 
@@ -39,6 +39,7 @@ class FakeGroup:
         self.api_servers = {i: self._child("api", i, ready=True) for i in range(config.api_server_count)}
         self.draining: list[Child] = []
         self.last_beat = {i: clock() for i in self.api_servers}
+        self.listening: set[str] = set()  # drained servers whose SIGTERM has not reached their event loop yet
 
     def _child(self, kind: str, index: int, ready: bool = False) -> Child:
         name = f"EngineCore_DP{index}" if kind == "engine" else f"ApiServer_{index}"
@@ -67,6 +68,9 @@ class FakeGroup:
         child.stopping = True
         self.draining.append(child)
         return child
+
+    def still_listens(self, child):
+        return child.name in self.listening
 
     def kill(self, child, reason):
         self.calls.append(("kill", child.index, reason))
@@ -238,6 +242,33 @@ def test_sighup_replaces_each_server_once_its_successor_is_ready(setup):
     watchdog.handle(group.dies(group.draining[0], exitcode=0))
     assert group.calls[-1] == ("reap", "ApiServer_0")
     assert not any(call[0] == "spawn" and call[1] == 0 for call in group.calls)  # a drained server stays gone
+
+
+def test_a_rolling_restart_ends_only_once_the_drained_servers_stopped_listening(setup, caplog):
+    """READY=1 (what `systemctl reload` waits for) and "rolling restart done" come once no old server can accept a
+    connection; one that never stops listening ends the wait after ROLL_END_LIMIT, with a warning."""
+    watchdog, group, clock, timers, notifier = setup(api_server_count=1)
+    group.listening.add("ApiServer_0")
+    watchdog.handle(SignalArrived(signal.SIGHUP))
+    watchdog.handle(ChildReady(group.api_servers[1], True))
+    assert ("drain", 0) in group.calls and watchdog.rolling and notifier.sent[-1] != "ready"
+    clock.now += ROLL_END_POLL
+    fire_due_timers(watchdog, timers)
+    assert watchdog.rolling  # still listening
+    group.listening.clear()
+    clock.now += ROLL_END_POLL
+    fire_due_timers(watchdog, timers)
+    assert not watchdog.rolling and notifier.sent[-1] == "ready"
+
+    group.listening.add("ApiServer_1")  # stuck: its loop never gets to the SIGTERM
+    with caplog.at_level(logging.WARNING, logger="supervisor.watchdog"):
+        watchdog.handle(SignalArrived(signal.SIGHUP))
+        watchdog.handle(ChildReady(group.api_servers[2], True))  # index 0 is held while its server drains
+        while watchdog.rolling:
+            assert clock.now < 1000.0 + 2 * ROLL_END_LIMIT
+            clock.now += ROLL_END_POLL
+            fire_due_timers(watchdog, timers)
+    assert notifier.sent[-1] == "ready" and "ApiServer_1 still listen" in caplog.text
 
 
 def test_a_replacement_that_dies_is_restarted_as_a_replacement(setup):
