@@ -144,6 +144,27 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class _FunctionRef(_MessagePart):
+    name: StrictStr
+
+
+class AllowedFunction(_MessagePart):
+    """One of `allowed_tools`: a function by its name (a whole definition, as a client may send, is read so)."""
+    type: Literal["function"]
+    function: _FunctionRef
+
+
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(min_length=1, max_length=128)
+
+
+class AllowedToolsChoice(_Strict):
+    """The model may call only these of the request's tools (`mode` says whether it must call one)."""
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ToolCallFunction(_MessagePart):
     name: StrictStr
     arguments: StrictStr  # JSON text, as the model wrote it
@@ -263,7 +284,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice, None] = None
     parallel_tool_calls: StrictBool | None = None
 
     chat_nulls = nulls_mean_default("logprobs", "add_generation_prompt", "continue_final_message")

@@ -15,7 +15,8 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 
 from apiserver.protocol import (
-    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, ReasoningEffort, StrictNumber, ToolName, _Strict, nulls_mean_default,
+    INT32_MAX, MAX_LABEL_LENGTH, JsonObject, ReasoningEffort, StrictNumber, ToolName, _MessagePart, _Strict,
+    nulls_mean_default,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -144,6 +145,20 @@ class FunctionChoice(_Strict):
     name: StrictStr
 
 
+class AllowedFunction(_MessagePart):
+    """A function by its name (a whole definition, as a client may send, is read so)."""
+    type: Literal["function"]
+    name: StrictStr
+
+
+class AllowedFunctions(_Strict):
+    """The model may call only these of the request's tools (`mode` says whether it must call one). Only function
+    tools: the others (mcp, image_generation...) are not served here."""
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(min_length=1, max_length=128)
+
+
 class FormatText(_Strict):
     type: Literal["text"]
 
@@ -202,7 +217,7 @@ class ResponsesRequest(_Strict):
     stream: StrictBool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, AllowedFunctions, None] = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from apiserver.errors import InvalidRequest
 from apiserver.protocol import (
-    ChatCompletionRequest, ChatMessage, FunctionDefinition, FunctionName, JsonSchemaFormat, NamedToolChoice,
-    ResponseFormat, Tool, ToolCall, ToolCallFunction,
+    AllowedFunction, AllowedTools, AllowedToolsChoice, ChatCompletionRequest, ChatMessage, FunctionDefinition, FunctionName,
+    JsonSchemaFormat, NamedToolChoice, ResponseFormat, Tool, ToolCall, ToolCallFunction,
 )
 from apiserver.protocol_responses import (
-    FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, ResponsesRequest, TextConfig,
+    AllowedFunctions, FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem,
+    ResponsesRequest, TextConfig,
 )
 
 
@@ -104,6 +105,11 @@ def _tool(tool) -> Tool:
 def _tool_choice(choice):
     if choice is None or isinstance(choice, str):
         return choice
+    if isinstance(choice, AllowedFunctions):
+        allowed = [AllowedFunction.model_construct(type="function", function=FunctionName.model_construct(name=f.name))
+                   for f in choice.tools]
+        return AllowedToolsChoice.model_construct(type="allowed_tools", allowed_tools=AllowedTools.model_construct(
+            mode=choice.mode, tools=allowed))
     return NamedToolChoice.model_construct(type="function", function=FunctionName.model_construct(name=choice.name))
 
 

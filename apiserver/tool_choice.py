@@ -8,6 +8,10 @@ that forces a call, and the parser that reads the calls back.
 - `required`: structured outputs force a JSON array of calls `{"name", "parameters"}`, each valid against its
   function's schema (one call only with `parallel_tool_calls: false`).
 - a named function: structured outputs force that function's arguments, valid against its schema.
+- `allowed_tools` (`{"mode": "auto" | "required", "tools": [named functions]}`): the request's tools cut down to
+  those named, then `mode` as above. The chat template sees only the allowed ones, so that with `auto` the model
+  does not call one it may not (OpenAI keeps the whole list in the prompt, for its prompt cache; here a prompt
+  cannot hide a tool from the model).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import NamedTuple
 import orjson
 
 from apiserver.errors import InvalidRequest
+from apiserver.protocol import AllowedTools, AllowedToolsChoice
 from apiserver.tool_parsers import TOOL_PARSERS, ToolParser
 from apiserver.tool_parsers.base import Parsed
 from apiserver.tool_parsers.forced import NamedCallParser, RequiredCallsParser
@@ -40,10 +45,14 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         if choice not in (None, "none"):
             raise InvalidRequest("`tool_choice` needs `tools`.", param="tool_choice")
         return NO_TOOLS
-    template_tools = tools_for_template(tools)
     functions = {tool.function.name: tool.function for tool in tools}
     if len(functions) != len(tools):
         raise InvalidRequest("Two tools have the same function name.", param="tools")
+    if isinstance(choice, AllowedToolsChoice):
+        tools = _allowed(tools, choice.allowed_tools)
+        functions = {tool.function.name: tool.function for tool in tools}
+        choice = choice.allowed_tools.mode
+    template_tools = tools_for_template(tools)
     if choice is None:
         choice = "auto"
     if choice == "none":
@@ -65,6 +74,17 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not among the tools.",
                              param="tool_choice")
     return ToolPlan(template_tools, _parameters(functions[name]), NamedCallParser(name))
+
+
+def _allowed(tools: list, allowed: AllowedTools) -> list:
+    """The tools `allowed` names, in the request's order."""
+    names = {choice.function.name for choice in allowed.tools}
+    known = {tool.function.name for tool in tools}
+    unknown = sorted(names - known)
+    if unknown:
+        raise InvalidRequest(f"`tool_choice.allowed_tools` names the function {unknown[0]!r}, which is not among "
+                             "the tools.", param="tool_choice")
+    return [tool for tool in tools if tool.function.name in names]
 
 
 def tools_for_template(tools) -> list[dict]:

@@ -113,6 +113,23 @@ def test_forced_function_call_and_its_output(served_with_tools):
     assert answer.tool_choice == "none"
 
 
+def test_allowed_tools_limit_the_calls_to_the_functions_named(served_with_tools):
+    """`tool_choice: {"type": "allowed_tools", ...}`, the Responses API's form: asked about the weather with only
+    get_time allowed, `required` calls get_time; the response says which choice it served."""
+    client = _client(served_with_tools)
+    time_tool = {"type": "function", "name": "get_time", "description": "The local time in a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                "required": ["city"], "additionalProperties": False}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    answer = client.responses.create(model=MODEL, input="What is the weather in Paris?", max_output_tokens=60,
+                                     tools=[WEATHER_TOOL, time_tool], tool_choice=choice, temperature=0,
+                                     parallel_tool_calls=False)
+    calls = [item for item in answer.output if item.type == "function_call"]
+    assert [call.name for call in calls] == ["get_time"] and answer.status == "completed", answer.output
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    assert answer.tool_choice.type == "allowed_tools" and answer.tool_choice.tools == choice["tools"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
@@ -164,6 +181,10 @@ def test_forced_function_call_and_its_output(served_with_tools):
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "many words " * 6000}, "input"),
     ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+        {"type": "function", "name": "nope"}]}}, "tool_choice"),
+    ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+        {"type": "mcp", "server_label": "deepwiki"}]}}, "tool_choice.tools.0.type"),
 ])
 def test_refused_with_the_field_named(served, body, param):
     response = httpx.post(served.base_url + "/responses", json={"model": MODEL, **body}, timeout=60)

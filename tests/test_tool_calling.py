@@ -89,6 +89,45 @@ def test_required_with_two_tools_whole_and_streamed(client, model):
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
+def test_allowed_tools_limit_the_calls_to_the_functions_named(client, model):
+    """`tool_choice: {"type": "allowed_tools", ...}` (openai-python sends it; it was a 400): asked about the weather
+    with only get_time allowed, `required` calls get_time, whole and streamed; the prompt carries only the allowed
+    tools, with either mode."""
+    only_time = {"type": "allowed_tools",
+                 "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    args = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=only_time, max_tokens=60, temperature=0)
+    reply = client.chat.completions.create(**args)
+    assert _valid_calls(reply.choices[0].message.tool_calls) == ["get_time"] * len(reply.choices[0].message.tool_calls)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    calls, finish, _ = _streamed(client.chat.completions.create(stream=True, **args))
+    assert finish == "tool_calls" and {c["name"] for c in calls.values()} == {"get_time"}
+    alone = client.chat.completions.create(**{**args, "tools": TOOLS[1:], "tool_choice": "required"})
+    assert reply.usage.prompt_tokens == alone.usage.prompt_tokens
+    auto = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": TOOLS[1:]}}  # a whole definition
+    answer = client.chat.completions.create(**{**args, "tool_choice": auto, "max_tokens": 1})
+    assert answer.usage.prompt_tokens == alone.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("choice, words", [
+    ({"mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]}, "'nope'"),
+    ({"mode": "required", "tools": []}, "tool_choice"),
+    ({"mode": "none", "tools": [{"type": "function", "function": {"name": "get_time"}}]}, "tool_choice"),
+    ({"mode": "auto", "tools": [{"type": "mcp", "server_label": "x"}]}, "tool_choice"),
+    ({"mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}], "extra": 1}, "tool_choice"),
+])
+def test_bad_allowed_tools_are_400(served_with_tools, model, choice, words):
+    body = {"model": model, "messages": ASK, "tools": TOOLS, "max_tokens": 1,
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": choice}}
+    reply = httpx.post(f"{served_with_tools.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"].startswith("tool_choice") and words in error["message"] + error["param"], error
+    no_tools = httpx.post(f"{served_with_tools.url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": ASK, "max_tokens": 1,
+        "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [TOOLS[0]]}}})
+    assert no_tools.status_code == 400 and no_tools.json()["error"]["param"] == "tool_choice"
+
+
 def test_tokenize_renders_the_tools_as_a_chat_request_does(served_with_tools, client, model):
     """/tokenize refused `tools` (vLLM takes them): a client counting a tool-using prompt's tokens could not."""
     url = f"{served_with_tools.url}/tokenize"
