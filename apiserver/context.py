@@ -46,8 +46,14 @@ class ServerContext:
         self.sync_down_ranks()
         return self.engine.dead_reason
 
+    def unavailable_reason(self) -> str | None:
+        """Why this server cannot take a new request now, if it cannot: every engine is down, silent or draining
+        (/health's 503, gRPC's NOT_SERVING)."""
+        return self.engine_dead_reason() or self.engine.unanswered_reason or self.engine.draining_reason
+
     def sync_down_ranks(self) -> None:
-        """Take the ranks the supervisor marked down in shared memory (one read while nothing changed)."""
+        """Take the ranks the supervisor marked down or draining in shared memory (one read while nothing
+        changed)."""
         if self.group is None:
             return
         version = self.group.ranks_version()
@@ -55,3 +61,5 @@ class ServerContext:
             self._ranks_version = version
             for rank, why in self.group.down_ranks().items():
                 self.engine.mark_rank_down(rank, why)
+            for rank in self.group.draining_ranks():
+                self.engine.mark_rank_draining(rank)

@@ -75,6 +75,8 @@ class EngineClient:
         self._on_in_flight = on_in_flight  # called with the number of requests in flight, on every change
         self.down: dict[int, str] = {}  # engine (position) -> why it is down, for good
         self._unanswered: dict[int, str] = {}  # engine -> why it counts as not answering (missed pings)
+        # engine -> why it takes no new requests: its node is stopping. Its running ones finish; it is still pinged.
+        self.draining: dict[int, str] = {}
 
     @classmethod
     def for_launch(cls, launch: ApiServerLaunch, group: GroupState) -> "EngineClient":
@@ -142,8 +144,8 @@ class EngineClient:
         (UnknownRank if this group has none such, EngineDeadError if it is down); the caller reads the returned
         stream and must call `release` when done with it."""
         pinned = self.engine_of_rank(rank) if rank is not None else None
-        if pinned is None and self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        if pinned is None and (self.dead_reason or self.draining_reason) is not None:
+            raise EngineDeadError(self.dead_reason or self.draining_reason)
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
@@ -177,6 +179,8 @@ class EngineClient:
             raise UnknownRank(f"data-parallel rank {rank} is not served here (ranks: {served})")
         if engine in self.down:
             raise EngineDeadError(f"data-parallel rank {rank} is down: {self.down[engine]}")
+        if engine in self.draining:
+            raise EngineDeadError(f"data-parallel rank {rank} takes no new requests: {self.draining[engine]}")
         return engine
 
     def release(self, stream: RequestStream) -> None:
@@ -290,6 +294,17 @@ class EngineClient:
         if engine is not None:
             self.mark_down(engine, f"engine core DP{rank}: {reason}")
 
+    def mark_rank_draining(self, rank: int) -> None:
+        engine = self._position.get(rank)
+        if engine is not None and engine not in self.down and engine not in self.draining:
+            self.draining[engine] = f"engine core DP{rank}: its node is stopping (it finishes its running requests)"
+            log.info("draining: %s", self.draining[engine])
+
+    @property
+    def draining_reason(self) -> str | None:
+        """Why no engine takes new requests, where every one that is not down drains."""
+        return self._every_usable(self.draining)
+
     def set_unanswered(self, engine: int, reason: str | None) -> None:
         """engine_watch's verdict on `engine`: why it is not answering pings now, or None once it does."""
         if reason is None:
@@ -300,9 +315,13 @@ class EngineClient:
     @property
     def unanswered_reason(self) -> str | None:
         """Why no engine answers pings now (they may still be alive: /health says 503 meanwhile)."""
+        return self._every_usable(self._unanswered)
+
+    def _every_usable(self, marks: dict[int, str]) -> str | None:
+        """The first usable engine's reason in `marks`, where every usable engine has one."""
         usable = self.usable()
-        if usable and all(e in self._unanswered for e in usable):
-            return self._unanswered[usable[0]]
+        if usable and all(e in marks for e in usable):
+            return marks[usable[0]]
         return None
 
     def answering(self, engine: int) -> bool:
@@ -316,6 +335,7 @@ class EngineClient:
         return [
             {
                 "rank": rank, "address": self.addresses[i], "up": i not in self.down, "down_reason": self.down.get(i),
+                "draining": i in self.draining,
                 "answering": self.answering(i), "num_running": loads.running[i], "num_waiting": loads.waiting[i],
                 "kv_cache_usage": loads.kv_cache_usage[i], "in_flight_here": loads.in_flight[i],
                 "in_flight": group[i] if group is not None else loads.in_flight[i],
@@ -327,7 +347,7 @@ class EngineClient:
     def _least_loaded(self) -> int:
         if len(self._sockets) == 1:
             return 0
-        usable = self.usable()
+        usable = [e for e in self.usable() if e not in self.draining]
         return self.loads.least_loaded(usable, {e for e in usable if e not in self._unanswered})
 
     def _send(self, engine: int, record) -> None:

@@ -68,7 +68,7 @@ class InfoRoutes:
         # otherwise keep a load balancer sending requests that hang. With several ranks: 503 once none serves,
         # or once any is down while the group is about to go down for it (--on-engine-failure exit).
         ctx = self.ctx
-        reason = ctx.engine_dead_reason() or ctx.engine.unanswered_reason
+        reason = ctx.unavailable_reason()
         if reason is None and ctx.config.on_engine_failure == "exit" and ctx.engine.down:
             reason = next(iter(ctx.engine.down.values()))
         if reason is not None:

@@ -5,7 +5,9 @@ engines listen, and the model they serve. The same record registers the node the
 with a head that restarted, and is its heartbeat: the head holds no state a node must rebuild, and a node never
 has to know whether the head it talks to is the one it registered with. The head answers each HELLO with
 ACCEPTED (its own id, so a node notices a new head) or REFUSED (one line: why), and a node that stops says
-LEAVING, so its ranks are marked down at once instead of after a silent interval.
+LEAVING, so its ranks are marked down at once instead of after a silent interval. Before it leaves, a node told to
+stop says DRAINING every beat (in place of HELLO, answered ACCEPTED too): its ranks get no new requests while the
+ones they run finish.
 
 These messages come from the network: every field is checked for its type before anyone reads it, and a
 message that fails is dropped (MalformedMessage), never raised further. The registration port refuses messages
@@ -40,6 +42,12 @@ class NodeLeaving(CheckedRecord):
 
 
 @dataclass
+class NodeDraining(CheckedRecord):
+    node_id: str
+    reason: str
+
+
+@dataclass
 class HelloAccepted(CheckedRecord):
     head_id: str
 
@@ -49,7 +57,8 @@ class HelloRefused(CheckedRecord):
     reason: str
 
 
-_KIND_OF: dict[type[Record], bytes] = {NodeHello: b"H", NodeLeaving: b"L", HelloAccepted: b"A", HelloRefused: b"F"}
+_KIND_OF: dict[type[Record], bytes] = {NodeHello: b"H", NodeLeaving: b"L", NodeDraining: b"D", HelloAccepted: b"A",
+                                       HelloRefused: b"F"}
 _RECORD_OF = {kind: record for record, kind in _KIND_OF.items()}
 
 
@@ -62,5 +71,5 @@ def decode_node_message(frames: list[bytes]) -> Any:
     return decode(frames, _RECORD_OF)
 
 
-__all__ = ["NodeHello", "NodeLeaving", "HelloAccepted", "HelloRefused", "MalformedMessage",
+__all__ = ["NodeHello", "NodeLeaving", "NodeDraining", "HelloAccepted", "HelloRefused", "MalformedMessage",
            "encode_node_message", "decode_node_message"]

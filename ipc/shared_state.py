@@ -41,6 +41,8 @@ RANK_DOWN = {
     RANK_NODE_SILENT: "its node stopped sending heartbeats",
     RANK_NODE_LEFT: "its node went away",
 }
+# Not down: its node is stopping. It finishes the requests it has and is sent no new ones.
+RANK_DRAINING = 4
 
 _OPEN, _IN_FLIGHT, _HEARTBEAT, _PID, _ADMITTED_REQUESTS, _ADMITTED_TOKENS = range(_FIELDS)
 
@@ -195,11 +197,19 @@ class GroupState:
         """Rank -> why it is down, for every rank marked down."""
         base = _RANKS_OFFSET // 8
         return {rank: RANK_DOWN.get(code, "it is gone") for rank in range(MAX_RANKS)
-                if (code := self._ints[base + rank])}
+                if (code := self._ints[base + rank]) and code != RANK_DRAINING}
+
+    def draining_ranks(self) -> set[int]:
+        """The ranks whose node is stopping: their requests run on, new ones go elsewhere."""
+        base = _RANKS_OFFSET // 8
+        return {rank for rank in range(MAX_RANKS) if self._ints[base + rank] == RANK_DRAINING}
 
     def mark_engine_dead(self, rank: int, why: int = RANK_EXITED) -> None:
         self._ints[_RANKS_OFFSET // 8 + rank] = why
         self._ints[_GLOBAL_OFFSET // 8] += 1
+
+    def mark_rank_draining(self, rank: int) -> None:
+        self.mark_engine_dead(rank, RANK_DRAINING)
 
     def mark_engine_live(self, rank: int) -> None:
         self._ints[_RANKS_OFFSET // 8 + rank] = 0

@@ -193,7 +193,9 @@ def _positive(click_context, param, value):
               type=click.FloatRange(0, min_open=True),
               help="Seconds an API server may take to start serving (then it is killed).")
 @click.option("--shutdown-timeout", default=_DEFAULTS.shutdown_timeout, show_default=True,
-              type=click.FloatRange(0), help="Seconds in-flight requests may take to finish on SIGTERM.")
+              type=click.FloatRange(0),
+              help="Seconds in-flight requests may take to finish on SIGTERM (a --headless node's ranks' too: the "
+                   "head sends them no new request meanwhile).")
 @click.option("--heartbeat-timeout", default=_DEFAULTS.heartbeat_timeout, show_default=True,
               type=click.FloatRange(0.5), help="An API server silent this long is killed and replaced.")
 @click.option("--max-restarts", default=_DEFAULTS.max_restarts, show_default=True, type=click.IntRange(0),

@@ -2,8 +2,9 @@
 node's supervisor uses `node-supervisor`, so that the head's and the node's lines to one engine never take
 over each other's identity).
 
-It is used for two things. It pings each engine (supervisor/engine_liveness.py asks how long each has left a ping
-unanswered). And when an API server is gone (it died, or the watchdog killed it, or it drained and
+It is used for three things. It pings each engine (supervisor/engine_liveness.py asks how long each has left a ping
+unanswered). A headless node told to stop asks its engines for their `stats` until they run nothing
+(supervisor/node_drain.py). And when an API server is gone (it died, or the watchdog killed it, or it drained and
 exited), every engine aborts the requests of that server's identity (UTILITY `abort_client`), so no engine
 decodes on for a reader that no longer exists. A headless node uses it when a new head appears: the old head's
 API servers are all gone, so their requests are aborted on the node's engines. Calls are sent without waiting; the answers are read whenever
@@ -42,6 +43,8 @@ class EngineLink:
         self._call_ids = itertools.count(1)
         self._calls: dict[int, tuple[int, str, bool]] = {}  # call id -> (rank, identity whose work it aborts, quiet)
         self._pings: dict[int, int] = {}  # call id -> rank
+        self._stats_calls: dict[int, tuple[int, float]] = {}  # call id -> (rank, when it was asked)
+        self.stats: dict[int, tuple[float, dict]] = {}  # rank -> (when asked, answer) of its latest stats answered
         # rank -> when the oldest ping it has not answered went out (None: it answered since the last one)
         self._asked_since: dict[int, float | None] = {rank: None for rank in engine_addresses}
 
@@ -67,6 +70,16 @@ class EngineLink:
             return  # a full queue: the engine is not reading, which its silence will say
         self._pings[call_id] = rank
         self.take_answers()  # as in abort_client: keep the FD's edge
+
+    def ask_stats(self, rank: int) -> None:
+        """Ask engine `rank` for its stats (num_running, num_waiting...); `stats[rank]` holds the answer once read."""
+        call_id = next(self._call_ids)
+        try:
+            self._sockets[rank].send_multipart(encode(UtilityCall(call_id, "stats", [])), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        self._stats_calls[call_id] = (rank, time.monotonic())
+        self.take_answers()
 
     def silent_for(self, rank: int, now: float) -> float:
         """Seconds engine `rank` has left a ping unanswered (0 when it answered since the last one): counted from
@@ -107,7 +120,11 @@ class EngineLink:
                     continue
                 self._asked_since[rank] = None  # any message says it reads and answers
                 if isinstance(record, UtilityResult) and isinstance(record.call_id, int):  # remote engines' too
-                    if self._pings.pop(record.call_id, None) is None:
+                    stats_call = self._stats_calls.pop(record.call_id, None)
+                    if stats_call is not None:
+                        if isinstance(record.result, dict):
+                            self.stats[stats_call[0]] = (stats_call[1], record.result)
+                    elif self._pings.pop(record.call_id, None) is None:
                         self._on_result(record)
                 elif not isinstance(record, EngineDead):  # a dead engine's sentinel tells us that too
                     log.warning("ignoring a %s from EngineCore_DP%d", type(record).__name__, rank)

@@ -59,6 +59,15 @@ class RankLost:
 
 
 @dataclass(frozen=True)
+class RankDraining:
+    """A remote rank's node is stopping: the rank finishes its requests and is sent no new ones, then its node
+    leaves (a RankLost)."""
+
+    rank: int
+    node: str
+
+
+@dataclass(frozen=True)
 class LinkEvent:
     """Something a data-parallel link has to tell its owner (the headless node's line to its head)."""
 
@@ -66,7 +75,7 @@ class LinkEvent:
     detail: str = ""
 
 
-Event = ChildReady | ChildExited | SignalArrived | TimerFired | RankJoined | RankLost | LinkEvent
+Event = ChildReady | ChildExited | SignalArrived | TimerFired | RankJoined | RankLost | RankDraining | LinkEvent
 
 
 class Timers:

@@ -181,6 +181,10 @@ class ProcessGroup:
             self.engine_link.reconnect(rank, address)
         self.state.mark_engine_live(rank)
 
+    def mark_rank_draining(self, rank: int) -> None:
+        """Rank `rank`'s node is stopping: the API servers send it no new requests (its running ones finish)."""
+        self.state.mark_rank_draining(rank)
+
     def rank_is_down(self, rank: int) -> bool:
         return rank in self.state.down_ranks()
 

@@ -8,7 +8,9 @@ away, and the node logs that it waits. When a new head appears, the old head's A
 their unfinished requests are aborted on this node's engines.
 
 The node goes down, saying LEAVING first so that the head marks its ranks down at once:
-- on SIGTERM/SIGINT (exit 0), its engines stopped cleanly;
+- on SIGTERM/SIGINT (exit 0), once its ranks have finished their running requests, which the head sends no new
+  ones meanwhile (supervisor/node_drain.py; up to --shutdown-timeout, a second signal cuts it short), its
+  engines stopped cleanly;
 - when one of its engines dies (exit 1): the node cannot serve its ranks, and its service manager restarts it;
 - when the head refuses it (exit 2): wrong size, a rank out of range or taken, another model; one line says why.
 """
@@ -29,13 +31,14 @@ from ipc.config import ServeConfig
 from ipc.curve import CurveKeys, KeyProblem, load_keys, warn_if_unauthenticated
 from ipc.logs import setup_logging
 from ipc.model_info import ModelInfo
-from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeHello, NodeLeaving,
+from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeDraining, NodeHello, NodeLeaving,
                               decode_node_message, encode_node_message)
 from ipc.sockets import NODE_SUPERVISOR_IDENTITY, connect_dealer, tcp_address
 from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import ChildExited, EventSource, LinkEvent, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
 from supervisor.layout import Layout, engine_host_toward, layout_of
+from supervisor.node_drain import DRAIN_POLL, NodeDrain
 from supervisor.open_files import raise_open_files_limit
 from supervisor.signals import STOP_SIGNALS, SignalInbox, describe_exit
 from supervisor.startup import StartupFailed, StopRequested
@@ -46,6 +49,7 @@ log = logging.getLogger("supervisor")
 BEATS_PER_INTERVAL = 4
 WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines, the first as the head falls silent
 _BEAT = "beat"
+_DRAIN_POLL = "drain-poll"
 
 
 class HeadLink:
@@ -75,6 +79,9 @@ class HeadLink:
     def hello(self) -> None:
         self._hello.head_id = self.head_id
         self._send(self._hello)
+
+    def drain(self, reason: str) -> None:
+        self._send(NodeDraining(self.node_id, reason))
 
     def leave(self, reason: str) -> None:
         self._send(NodeLeaving(self.node_id, reason))
@@ -166,6 +173,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
     timers = events.timers
     timers.set(_BEAT, 0)
     last_waiting_line = -WAITING_LOG_EVERY  # the first line as soon as the head is silent
+    drain: NodeDrain | None = None  # told to stop: the ranks finish their requests first
     liveness = EngineLiveness(config.engine_ping_interval)
     while True:
         for event in events.wait(group.engines):
@@ -178,11 +186,29 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 group.stop(drain_timeout=0)
                 return 1
             if isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
-                log.info("stopping: telling the head, then stopping the engines")
-                link.leave("stopped")
-                graceful = group.stop(drain_timeout=0)
-                log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
-                return 0
+                if drain is None:
+                    log.info("stopping: the head sends no new requests to rank(s) %s; waiting up to %g s "
+                             "(--shutdown-timeout) for the running ones", _ranks(group), config.shutdown_timeout)
+                    notifier.status("draining")
+                    head_silent = time.monotonic() - link.last_answer > 2 * beat
+                    drain = NodeDrain(group.layout.local_ranks, config.shutdown_timeout, head_silent)
+                    link.drain("stopped")
+                    timers.set(_DRAIN_POLL, 0)
+                    continue
+                log.warning("a second stop signal: leaving now")
+                return _leave(group, link, "stopped (a second signal cut the drain short)")
+            if isinstance(event, TimerFired) and event.key == _DRAIN_POLL and drain is not None:
+                assert group.engine_link is not None  # the engines serve
+                if drain.drained(group.engine_link.stats):
+                    log.info("the engines run nothing more")
+                    return _leave(group, link, "stopped")
+                if drain.timed_out():
+                    log.warning("--shutdown-timeout (%g s) passed with %d request(s) unfinished: leaving anyway",
+                                config.shutdown_timeout, drain.unfinished(group.engine_link.stats))
+                    return _leave(group, link, "stopped (--shutdown-timeout passed)")
+                for rank in group.layout.local_ranks:
+                    group.engine_link.ask_stats(rank)
+                timers.set(_DRAIN_POLL, DRAIN_POLL)
             if isinstance(event, LinkEvent) and event.what == "refused":
                 log.error("the head at %s refused this node: %s", link.head, event.detail)
                 print(f"supervise: error: the head at {link.head} refused this node: {event.detail}", file=sys.stderr)
@@ -190,10 +216,15 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 return 2
             if isinstance(event, LinkEvent) and event.what == "accepted":
                 last_waiting_line = -WAITING_LOG_EVERY  # the next silence is told at once
-                if event.detail != link.head_id:
+                if drain is not None:
+                    drain.head_answered()
+                elif event.detail != link.head_id:
                     _on_new_head(group, link, event.detail, notifier)
             if isinstance(event, TimerFired) and event.key == _BEAT:
-                link.hello()
+                if drain is None:
+                    link.hello()
+                else:
+                    link.drain("stopped")
                 timers.set(_BEAT, beat)
                 notifier.watchdog_if_due()  # under systemd with WatchdogSec=: this loop is alive
                 liveness.kill_silent(group.engine_link, group.engines)
@@ -205,6 +236,17 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                                 "(a head that is up yet never answers refuses this node's --data-parallel-key-file: "
                                 "its log says 'refused a connection')", link.head, silent)
                     notifier.status("waiting for the head")
+
+
+def _leave(group: ProcessGroup, link: HeadLink, reason: str) -> int:
+    link.leave(reason)
+    graceful = group.stop(drain_timeout=0)
+    log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
+    return 0
+
+
+def _ranks(group: ProcessGroup) -> str:
+    return ", ".join(map(str, group.layout.local_ranks))
 
 
 def _on_new_head(group: ProcessGroup, link: HeadLink, head_id: str, notifier: SystemdNotifier) -> None:

@@ -7,7 +7,9 @@ full every time, answered ACCEPTED or REFUSED with one line, and logged once whe
 - a rank's registration (a new node, or a node at a new address) is a RankJoined event for the supervisor;
 - a rank is lost when its node says LEAVING (it stopped, or one of its engines died) or when its node has sent
   nothing for --engine-ping-interval seconds (nodes beat four times per interval, from their supervisor's
-  loop, which never runs a model step: a long engine step cannot look like a lost node). Each is a RankLost.
+  loop, which never runs a model step: a long engine step cannot look like a lost node). Each is a RankLost;
+- a rank drains when its node, told to stop, says DRAINING (in place of its HELLO, so it is a beat too): a
+  RankDraining, once per rank. A DRAINING from a node that holds no rank here is dropped without an answer.
 
 The registry outlives a group restarted in place (--on-engine-failure restart): the nodes stay registered.
 """
@@ -22,11 +24,11 @@ import zmq
 
 from ipc.curve import CurveKeys
 from ipc.model_info import ModelInfo
-from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeHello, NodeLeaving,
+from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeDraining, NodeHello, NodeLeaving,
                               decode_node_message, encode_node_message)
 from ipc.shared_state import RANK_NODE_LEFT, RANK_NODE_SILENT
 from ipc.sockets import bind_router, is_tcp, tcp_address
-from supervisor.events import RankJoined, RankLost
+from supervisor.events import RankDraining, RankJoined, RankLost
 from supervisor.layout import Layout
 from supervisor.refused_handshakes import RefusedHandshakes
 
@@ -43,6 +45,7 @@ class _Registration:
     address: str
     last_seen: float
     hello: NodeHello  # the last one, checked again when the head learns its own model's facts
+    draining: bool = False
 
 
 class Registry:
@@ -118,6 +121,8 @@ class Registry:
             self._on_hello(identity, message)
         elif isinstance(message, NodeLeaving):
             self._drop_node(message.node_id, f"its node left: {message.reason}", RANK_NODE_LEFT)
+        elif isinstance(message, NodeDraining):
+            self._on_draining(identity, message)
         else:
             log.warning("ignoring a %s on the registration port", type(message).__name__)
 
@@ -139,6 +144,20 @@ class Registry:
                 log.info("rank %d registered by node %s: engine at %s", rank, hello.node_name, address)
                 self._events.append(RankJoined(rank, address, hello.node_name))
             self.ranks[rank] = _Registration(hello.node_id, hello.node_name, address, now, hello)
+        self._reply(identity, HelloAccepted(self.head_id))
+
+    def _on_draining(self, identity: bytes, draining: NodeDraining) -> None:
+        held = [(rank, r) for rank, r in sorted(self.ranks.items()) if r.node_id == draining.node_id]
+        if not held:
+            return
+        now = time.monotonic()
+        for rank, registration in held:
+            registration.last_seen = now
+            if not registration.draining:
+                registration.draining = True
+                log.warning("rank %d draining (node %s: %s): no new requests go to it, the running ones finish",
+                            rank, registration.node_name, draining.reason[:200])
+                self._events.append(RankDraining(rank, registration.node_name))
         self._reply(identity, HelloAccepted(self.head_id))
 
     def _refusal(self, hello: NodeHello) -> str | None:

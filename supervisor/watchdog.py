@@ -15,8 +15,8 @@ from collections import deque
 from ipc.tls import keep_files
 from supervisor.children import Child
 from supervisor.engine_liveness import EngineLiveness
-from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankJoined, RankLost, SignalArrived,
-                               TimerFired, Timers)
+from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankDraining, RankJoined, RankLost,
+                               SignalArrived, TimerFired, Timers)
 from supervisor.restart_policy import RestartBudget
 from supervisor.signals import STOP_SIGNALS, describe_exit
 from supervisor.systemd import SystemdNotifier
@@ -87,6 +87,9 @@ class Watchdog:
             return self._on_rank_lost(event)
         elif isinstance(event, RankJoined):
             self._on_rank_joined(event)
+        elif isinstance(event, RankDraining):
+            self.group.mark_rank_draining(event.rank)
+            self.notifier.status(f"rank {event.rank} draining (node {event.node} stops)")
         return None
 
     # Signals.

@@ -77,6 +77,16 @@ def deployment():
             started.append(node)
             return node.wait_registered() if wait else node
 
+        @staticmethod
+        def head_and_node(*head_extra: str) -> tuple[Supervise, Node, int]:
+            """A head serving rank 0 (with `head_extra`) and a node with rank 1, both serving; and the head's
+            registration port."""
+            rpc = free_port()
+            head = Deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", *head_extra), wait=False)
+            node = Deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1"))
+            head.wait_serving()
+            return head, node, rpc
+
     yield Deployment
     for process in reversed(started):
         process.stop()

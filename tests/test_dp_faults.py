@@ -73,10 +73,7 @@ def test_nodes_that_do_not_fit_are_refused_with_one_line_on_both_sides(deploymen
 
 
 def test_a_node_killed_under_load_is_noticed_within_the_ping_interval_and_the_head_goes_down(deployment):
-    rpc = free_port()
-    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), wait=False)
-    node = deployment.node(*node_args(rpc))
-    head.wait_serving()
+    head, node, _ = deployment.head_and_node()
     engines = node.children()
     with BackgroundLoad(head.url, SIM_MODEL, clients=4, max_tokens=100) as load:
         load.wait_for(4)
@@ -101,11 +98,7 @@ def test_a_node_killed_under_load_is_noticed_within_the_ping_interval_and_the_he
 
 
 def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
-    rpc = free_port()
-    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", "--api-server-count", "2",
-                                    "--on-engine-failure", "restart"), wait=False)
-    node = deployment.node(*node_args(rpc))
-    head.wait_serving()
+    head, node, rpc = deployment.head_and_node("--api-server-count", "2", "--on-engine-failure", "restart")
     pinned = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30, headers={"X-data-parallel-rank": "0"})
     anywhere = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30)
     with pinned, anywhere:
@@ -121,8 +114,8 @@ def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
         wait_for(lambda: anywhere.ok >= served + 6, 30, "requests to go on on rank 0", head)
 
         deployment.node(*node_args(rpc))  # a new node (systemd restarted it) registers rank 1 again
-        # "done" once every server is replaced; the old ones (which took rank 1 for gone, for good) then drain
-        # and exit: a new connection may still reach one in the moment before it stops listening.
+        # "done" once every server is replaced and the old ones (which took rank 1 for gone, for good) stopped
+        # listening; they then finish what they hold and exit.
         wait_for(lambda: "rank 1 is back" in head.log() and "rolling restart done" in head.log()
                  and len([c for c in head.children() if "ApiServer_" in title_of(c)]) == 2, 60,
                  "the rank to be taken back and the old API servers to exit", head)
@@ -143,11 +136,7 @@ def test_a_frozen_remote_engine_fails_its_requests_while_the_live_rank_serves_on
     on with rank 0. Every API server had exited at the third missed ping, at once: the whole endpoint answered
     nothing for some 10 s (replacements waited on the frozen engine), rank 0's requests with it. Now the API
     servers stay, and no request on rank 0 fails or waits."""
-    rpc = free_port()
-    head = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1", "--api-server-count", "2",
-                                    "--on-engine-failure", "restart"), wait=False)
-    node = deployment.node(*node_args(rpc))
-    head.wait_serving()
+    head, node, _ = deployment.head_and_node("--api-server-count", "2", "--on-engine-failure", "restart")
     servers = {c.pid for c in head.children() if "ApiServer_" in title_of(c)}
     stream = httpx.stream("POST", f"{head.url}/v1/completions", headers={"X-data-parallel-rank": "1"}, timeout=60,
                           json={"model": SIM_MODEL, "prompt": "x", "max_tokens": 5000, "ignore_eos": True,
@@ -175,10 +164,7 @@ def test_a_frozen_remote_engine_fails_its_requests_while_the_live_rank_serves_on
 
 
 def test_a_restarted_head_finds_the_node_loaded_and_a_node_without_head_waits_and_stops_cleanly(deployment):
-    rpc = free_port()
-    first = deployment.head(*dp_args(2, rpc, "--data-parallel-size-local", "1"), wait=False)
-    node = deployment.node(*node_args(rpc))
-    first.wait_serving()
+    first, node, rpc = deployment.head_and_node()
     engine_pid = node.engine_pids()[1]
     orphan = httpx.Client(timeout=30)  # a long stream on rank 1, left running when its head dies
     stream = orphan.stream("POST", f"{first.url}/v1/completions", headers={"X-data-parallel-rank": "1"},

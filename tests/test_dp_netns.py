@@ -47,7 +47,9 @@ def veth_namespace():
         _ip("link", "del", outer, check=False)
 
 
-def test_a_node_in_another_network_namespace_serves_through_the_veth_pair(deployment, key_file, veth_namespace):
+# veth_namespace first: its teardown (the namespace deleted) comes after the deployment's (the node stopped), since a
+# node drains on SIGTERM, through its engines' addresses in the namespace.
+def test_a_node_in_another_network_namespace_serves_through_the_veth_pair(veth_namespace, deployment, key_file):
     namespace, head_address, node_address, _ = veth_namespace
     rpc = free_port()
     common = ["--data-parallel-address", head_address, "--data-parallel-key-file", key_file]
@@ -73,8 +75,8 @@ def test_a_node_in_another_network_namespace_serves_through_the_veth_pair(deploy
     assert node.proc.poll() is None
 
 
-def test_a_stream_over_a_link_that_dropped_ends_with_an_error_not_a_hang_or_a_gap(deployment, key_file,
-                                                                                  veth_namespace):
+def test_a_stream_over_a_link_that_dropped_ends_with_an_error_not_a_hang_or_a_gap(veth_namespace, deployment,
+                                                                                  key_file):
     """The link to the node goes down for 6 s, shorter than the node's heartbeats and the pings allow (60 s here):
     ZMQ drops the engine's connection after 3 s of silence and makes a new one once the link is back, and the
     outputs the engine wrote meanwhile are lost. A stream pinned there waited forever for its end, or ended as if

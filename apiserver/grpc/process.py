@@ -183,7 +183,7 @@ class _HealthReport:
     def update(self) -> None:
         if self.servicer is None:
             return
-        reason = self._ctx.engine_dead_reason() or self._ctx.engine.unanswered_reason
+        reason = self._ctx.unavailable_reason()
         status = SERVING if reason is None else NOT_SERVING
         if status != self._status:
             self._status = status

@@ -70,7 +70,7 @@ class VllmEngineService:
         return await self._answer(request, context, self._health, open_to_all=True)
 
     def _health(self, request) -> pb.HealthCheckResponse:
-        reason = self.ctx.engine_dead_reason() or self.ctx.engine.unanswered_reason
+        reason = self.ctx.unavailable_reason()
         return pb.HealthCheckResponse(healthy=reason is None, message=reason or "healthy")
 
     async def GetModelInfo(self, request, context):

@@ -1,0 +1,94 @@
+"""A headless node stopped by its operator (`systemctl stop`: SIGTERM) drains: the head sends its rank no new
+request, the ones it runs finish whole, then it leaves. A second SIGTERM cuts the drain short. Before, the node
+left at once and every request on its rank failed with a 503 or an error event mid-stream."""
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.dp_support import SIM_MODEL, complete, deployment, wait_for  # noqa: F401
+from tests.load import BackgroundLoad
+
+
+class Stream(threading.Thread):
+    """A completion streamed from rank 1, read to its end in the background: its events, and how it ended."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.events: list[dict] = []
+        self.done = False
+        self.started = threading.Event()
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {"model": SIM_MODEL, "prompt": "x", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120,
+                              headers={"X-data-parallel-rank": "1"}) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        self.started.set()
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        self.started.set()
+
+    def text(self) -> str:
+        return "".join(c["text"] for e in self.events for c in e.get("choices", []))
+
+
+def test_a_stopped_node_finishes_its_streams_and_takes_no_new_work(deployment):
+    head, node, _ = deployment.head_and_node("--api-server-count", "2", "--on-engine-failure", "restart")
+    stream = Stream(head.url, 300)  # 3 s at 10 ms a step
+    stream.start()
+    assert stream.started.wait(30) and not stream.error, stream.error
+    with BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=5) as anywhere:
+        anywhere.wait_for(4)
+        node.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "rank 1 draining" in head.log(), 10, "the head to hear of the drain", head)
+        time.sleep(0.3)  # the API servers take the mark with their next request
+        pinned = complete(head.url, {"X-data-parallel-rank": "1"})
+        assert pinned.status_code == 503, pinned.text
+        assert "rank 1 takes no new requests" in pinned.json()["error"]["message"]
+        ranks = {e["rank"]: e for e in httpx.get(f"{head.url}/load", timeout=5).json()["engines"]}
+        assert ranks[1]["draining"] and ranks[1]["up"] and not ranks[0]["draining"]
+        assert httpx.get(f"{head.url}/health", timeout=5).status_code == 200  # rank 0 serves
+        served = anywhere.ok
+        wait_for(lambda: anywhere.ok >= served + 6, 30, "requests to go on on rank 0", head)
+        stream.join(60)
+        assert node.wait_exit(30) == 0
+        wait_for(lambda: "rank 1 lost" in head.log(), 10, "the head to see the node leave", head)
+        served = anywhere.ok
+        wait_for(lambda: anywhere.ok >= served + 4, 30, "requests to go on after the node left", head)
+    # The stream that ran on the node ended whole: every token, its finish reason, its usage.
+    assert stream.done and not stream.error, (stream.error, stream.events[-2:])
+    assert stream.events[-1]["usage"]["completion_tokens"] == 300, stream.events[-1]
+    assert [c["finish_reason"] for e in stream.events for c in e.get("choices", []) if c["finish_reason"]] == ["length"]
+    assert anywhere.failures == [], anywhere.failures  # no unpinned request was sent to the draining rank
+    assert "the engines run nothing more" in node.log() and "its node left: stopped" in head.log()
+    assert head.proc.poll() is None
+
+
+def test_a_second_sigterm_cuts_the_drain_short(deployment):
+    head, node, _ = deployment.head_and_node("--on-engine-failure", "restart")
+    stream = Stream(head.url, 5000)  # 50 s
+    stream.start()
+    assert stream.started.wait(30)
+    node.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "rank 1 draining" in head.log(), 10, "the head to hear of the drain", head)
+    time.sleep(0.5)
+    assert node.proc.poll() is None  # it waits for the stream
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait_exit(15) == 0
+    stream.join(30)
+    assert "error" in stream.events[-1] and "engine core DP1" in stream.events[-1]["error"]["message"], \
+        stream.events[-1:]
+    assert len(stream.text()) < 5000
+    assert "a second stop signal: leaving now" in node.log()
+    assert "its node left: stopped (a second signal cut the drain short)" in head.log()
