@@ -11,6 +11,9 @@ import socket
 
 import httpx
 import pytest
+import zmq
+
+from ipc.registration import decode_node_message, encode_node_message
 
 from tests.supervise_process import Supervise, wait_for
 
@@ -90,6 +93,21 @@ def deployment():
     yield Deployment
     for process in reversed(started):
         process.stop()
+
+
+def raw_node_message(rpc: int, record, wait_ms: int = 5000):
+    """What the head's registration port answers a hand-made message (a buggy or hostile node), None if nothing
+    within `wait_ms`."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{rpc}")
+        sock.send_multipart(encode_node_message(record))
+        return decode_node_message(sock.recv_multipart()) if sock.poll(wait_ms) else None
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 def served_by_rank(url: str) -> dict[int, int]:

@@ -10,9 +10,9 @@ import httpx
 import psutil
 import zmq
 
-from ipc.registration import NodeHello, decode_node_message, encode_node_message
-from tests.dp_support import (SIM_MODEL, complete, deployment, dp_args, free_port, served_by_rank,  # noqa: F401
-                              wait_for)
+from ipc.registration import NodeHello
+from tests.dp_support import (SIM_MODEL, complete, deployment, dp_args, free_port, raw_node_message,  # noqa: F401
+                              served_by_rank, wait_for)
 from tests.load import BackgroundLoad
 from tests.supervise_process import title_of, wait_gone
 
@@ -26,17 +26,9 @@ def raw_hello(rpc: int, **fields) -> object:
     hello = dict(node_id=uuid.uuid4().hex, node_name="raw", data_parallel_size=2, ranks=[1],
                  addresses=["tcp://127.0.0.1:9"], model_name=SIM_MODEL, vocab_size=49152, max_model_len=8192,
                  head_id="")
-    ctx = zmq.Context()
-    ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(f"tcp://127.0.0.1:{rpc}")
-        sock.send_multipart(encode_node_message(NodeHello(**{**hello, **fields})))
-        assert sock.poll(5000), "the head did not answer"
-        return decode_node_message(sock.recv_multipart())
-    finally:
-        sock.close(0)
-        ctx.term()
+    answer = raw_node_message(rpc, NodeHello(**{**hello, **fields}))
+    assert answer is not None, "the head did not answer"
+    return answer
 
 
 def test_nodes_that_do_not_fit_are_refused_with_one_line_on_both_sides(deployment):

@@ -5,10 +5,12 @@ import json
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 
-from tests.dp_support import SIM_MODEL, complete, deployment, wait_for  # noqa: F401
+from ipc.registration import NodeDraining
+from tests.dp_support import SIM_MODEL, complete, deployment, raw_node_message, wait_for  # noqa: F401
 from tests.load import BackgroundLoad
 
 
@@ -76,7 +78,11 @@ def test_a_stopped_node_finishes_its_streams_and_takes_no_new_work(deployment):
 
 
 def test_a_second_sigterm_cuts_the_drain_short(deployment):
-    head, node, _ = deployment.head_and_node("--on-engine-failure", "restart")
+    head, node, rpc = deployment.head_and_node("--on-engine-failure", "restart")
+    # Anyone who can reach the registration port (no key here) and says DRAINING for a node it made up: no answer,
+    # nothing drains.
+    assert raw_node_message(rpc, NodeDraining(uuid.uuid4().hex, "x" * 1000), wait_ms=1000) is None
+    assert not any(e["draining"] for e in httpx.get(f"{head.url}/load", timeout=5).json()["engines"])
     stream = Stream(head.url, 5000)  # 50 s
     stream.start()
     assert stream.started.wait(30)
