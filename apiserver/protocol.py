@@ -284,7 +284,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice, None] = None
+    # By `type`, so that an error names the fields of the kind of choice sent.
+    tool_choice: Union[Literal["none", "auto", "required"],
+                       Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")], None] = None
     parallel_tool_calls: StrictBool | None = None
 
     chat_nulls = nulls_mean_default("logprobs", "add_generation_prompt", "continue_final_message")

@@ -217,7 +217,9 @@ class ResponsesRequest(_Strict):
     stream: StrictBool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, AllowedFunctions, None] = None
+    # By `type`, so that an error names the fields of the kind of choice sent.
+    tool_choice: Union[Literal["none", "auto", "required"],
+                       Annotated[Union[FunctionChoice, AllowedFunctions], Field(discriminator="type")], None] = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None

@@ -71,7 +71,7 @@ def tool_plan(request, config: ServeConfig) -> ToolPlan:
         return ToolPlan(template_tools, array, RequiredCallsParser())
     name = choice.function.name
     if name not in functions:
-        raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not among the tools.",
+        raise InvalidRequest(f"`tool_choice` names the function {_shown(name)}, which is not among the tools.",
                              param="tool_choice")
     return ToolPlan(template_tools, _parameters(functions[name]), NamedCallParser(name))
 
@@ -82,9 +82,15 @@ def _allowed(tools: list, allowed: AllowedTools) -> list:
     known = {tool.function.name for tool in tools}
     unknown = sorted(names - known)
     if unknown:
-        raise InvalidRequest(f"`tool_choice.allowed_tools` names the function {unknown[0]!r}, which is not among "
-                             "the tools.", param="tool_choice")
+        raise InvalidRequest(f"`tool_choice.allowed_tools` names the function {_shown(unknown[0])}, which is not "
+                             "among the tools.", param="tool_choice")
     return [tool for tool in tools if tool.function.name in names]
+
+
+def _shown(name: str) -> str:
+    """A function name from the request, as an error quotes it (a tool's name has at most 64 characters; what the
+    choice names, anything)."""
+    return repr(name) if len(name) <= 64 else f"{name[:64]!r}..."
 
 
 def tools_for_template(tools) -> list[dict]:

@@ -84,8 +84,7 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
     if kind == "model_type" and not error["loc"]:
         return InvalidRequest("The request body must be a JSON object.")
     loc = error["loc"]
-    # Union branches add their type name to the location; the client only cares about the field path.
-    path = ".".join(str(part) for part in loc if not _is_union_tag(part))
+    path = ".".join(str(part) for part in _field_path(loc))
     field = str(loc[0]) if loc else None
     if kind == "extra_forbidden":
         return InvalidRequest(f"Unsupported field: `{path}` is not a parameter this server accepts.", param=path)
@@ -99,8 +98,22 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
 def _specificity(error: dict) -> tuple[int, bool]:
     """With a union, every branch reports; the most telling error went deepest into the value, and is about
     a value rather than a type ("must be >= 0" over "should be a string")."""
-    depth = sum(1 for part in error["loc"] if not _is_union_tag(part))
-    return depth, not error["type"].endswith("_type")
+    return len(_field_path(error["loc"])), not error["type"].endswith("_type")
+
+
+def _field_path(loc: tuple) -> list:
+    """An error's location as the request's fields: union branches add their type name to it, and a union by a
+    tag nested in another union (`tool_choice`'s kinds) its name and then the tag's value, which the client only
+    sent as `type`."""
+    path, after_tag = [], False
+    for part in loc:
+        if after_tag:
+            after_tag = False
+        elif isinstance(part, str) and part.startswith("tagged-union["):
+            after_tag = True
+        elif not _is_union_tag(part):
+            path.append(part)
+    return path
 
 
 def _is_union_tag(part) -> bool:

@@ -67,6 +67,11 @@ def test_not_a_json_object(http, body):
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"tools": [{"type": "function"}]}, "tools.0.function"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    # A kind of choice is named by its `type`, and its own fields then (not the tag, nor the other kind's fields).
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "x", "tools": []}}},
+     "tool_choice.allowed_tools.mode"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.allowed_tools"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
