@@ -40,6 +40,8 @@ _COUNTERS = {
 # Gauges per rank, as the API server answering the scrape sees each engine (EngineClient.rank_views).
 _RANK_GAUGES = {
     "engine_up": ("1 while the rank serves, 0 once it is down (its engine exited, its node went away).", "up"),
+    "engine_draining": ("1 while the rank's node is stopping: it finishes its requests and is sent no new ones.",
+                        "draining"),
     "engine_num_requests_running": ("Requests running in the rank's engine, as it last reported.", "num_running"),
     "engine_num_requests_waiting": ("Requests waiting in the rank's engine, as it last reported.", "num_waiting"),
     "engine_kv_cache_usage_perc": ("The rank's KV cache usage (0-1), as it last reported.", "kv_cache_usage"),

@@ -60,6 +60,9 @@ def test_a_stopped_node_finishes_its_streams_and_takes_no_new_work(deployment):
         assert "rank 1 takes no new requests" in pinned.json()["error"]["message"]
         ranks = {e["rank"]: e for e in httpx.get(f"{head.url}/load", timeout=5).json()["engines"]}
         assert ranks[1]["draining"] and ranks[1]["up"] and not ranks[0]["draining"]
+        metrics = httpx.get(f"{head.url}/metrics", timeout=5).text
+        assert f'supervise_engine_draining{{model_name="{SIM_MODEL}",engine="1"}} 1' in metrics
+        assert f'supervise_engine_draining{{model_name="{SIM_MODEL}",engine="0"}} 0' in metrics
         assert httpx.get(f"{head.url}/health", timeout=5).status_code == 200  # rank 0 serves
         served = anywhere.ok
         wait_for(lambda: anywhere.ok >= served + 6, 30, "requests to go on on rank 0", head)
