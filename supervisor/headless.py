@@ -187,27 +187,15 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 return 1
             if isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
                 if drain is None:
-                    log.info("stopping: the head sends no new requests to rank(s) %s; waiting up to %g s "
-                             "(--shutdown-timeout) for the running ones", _ranks(group), config.shutdown_timeout)
-                    notifier.status("draining")
-                    head_silent = time.monotonic() - link.last_answer > 2 * beat
-                    drain = NodeDrain(group.layout.local_ranks, config.shutdown_timeout, head_silent)
-                    link.drain("stopped")
+                    drain = _start_drain(config, group, link, notifier, time.monotonic() - link.last_answer > 2 * beat)
                     timers.set(_DRAIN_POLL, 0)
                     continue
                 log.warning("a second stop signal: leaving now")
                 return _leave(group, link, "stopped (a second signal cut the drain short)")
             if isinstance(event, TimerFired) and event.key == _DRAIN_POLL and drain is not None:
-                assert group.engine_link is not None  # the engines serve
-                if drain.drained(group.engine_link.stats):
-                    log.info("the engines run nothing more")
-                    return _leave(group, link, "stopped")
-                if drain.timed_out():
-                    log.warning("--shutdown-timeout (%g s) passed with %d request(s) unfinished: leaving anyway",
-                                config.shutdown_timeout, drain.unfinished(group.engine_link.stats))
-                    return _leave(group, link, "stopped (--shutdown-timeout passed)")
-                for rank in group.layout.local_ranks:
-                    group.engine_link.ask_stats(rank)
+                left = _drain_step(config, group, link, drain)
+                if left is not None:
+                    return left
                 timers.set(_DRAIN_POLL, DRAIN_POLL)
             if isinstance(event, LinkEvent) and event.what == "refused":
                 log.error("the head at %s refused this node: %s", link.head, event.detail)
@@ -230,7 +218,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 liveness.kill_silent(group.engine_link, group.engines)
                 now = time.monotonic()
                 silent = now - link.last_answer
-                if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY:
+                if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY and not drain:
                     last_waiting_line = now
                     log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it "
                                 "(a head that is up yet never answers refuses this node's --data-parallel-key-file: "
@@ -238,15 +226,36 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                     notifier.status("waiting for the head")
 
 
+def _start_drain(config: ServeConfig, group: ProcessGroup, link: HeadLink, notifier: SystemdNotifier,
+                 head_silent: bool) -> NodeDrain:
+    log.info("stopping: the head sends no new requests to rank(s) %s; waiting up to %g s (--shutdown-timeout) for "
+             "the running ones", ", ".join(map(str, group.layout.local_ranks)), config.shutdown_timeout)
+    notifier.status("draining")
+    link.drain("stopped")
+    return NodeDrain(group.layout.local_ranks, config.shutdown_timeout, head_silent)
+
+
+def _drain_step(config: ServeConfig, group: ProcessGroup, link: HeadLink, drain: NodeDrain) -> int | None:
+    """Leave (the exit code) once the engines hold nothing or the time is up; else ask them again (None)."""
+    assert group.engine_link is not None  # the engines serve
+    stats = group.engine_link.stats
+    if drain.drained(stats):
+        log.info("the engines run nothing more")
+        return _leave(group, link, "stopped")
+    if drain.timed_out():
+        log.warning("--shutdown-timeout (%g s) passed with %d request(s) unfinished: leaving anyway",
+                    config.shutdown_timeout, drain.unfinished(stats))
+        return _leave(group, link, "stopped (--shutdown-timeout passed)")
+    for rank in group.layout.local_ranks:
+        group.engine_link.ask_stats(rank)
+    return None
+
+
 def _leave(group: ProcessGroup, link: HeadLink, reason: str) -> int:
     link.leave(reason)
     graceful = group.stop(drain_timeout=0)
     log.info("stopped%s", "" if graceful else " (cut short by a second signal)")
     return 0
-
-
-def _ranks(group: ProcessGroup) -> str:
-    return ", ".join(map(str, group.layout.local_ranks))
 
 
 def _on_new_head(group: ProcessGroup, link: HeadLink, head_id: str, notifier: SystemdNotifier) -> None:
