@@ -15,11 +15,8 @@ accept_mutex_delay of 500 ms, and the failures are logged at most once a second,
 With TLS (--ssl-certfile) the event loop's TLS layer wraps each connection, its handshake bounded by
 --timeout-request-header (a client that connects and never finishes it holds nothing longer than one that never
 sends its headers); a handshake that fails (plain HTTP to the TLS port, an untrusted client certificate, a
-timeout) closes the connection before it reaches HTTP, without a log line (anyone can make one). A TLS connection
-we close (keep-alive timeout, a stop) sends close_notify and waits TLS_CLOSE_SECONDS at most for the client's: the
-event loop's default, 30 s, held every idle keep-alive connection open that long after its close (an HTTP client's
-pool does not read an idle connection), so a stop or a rolling restart took 30 s where TLS clients kept pools.
-What the connection still had to send is cut after it: a client gets that long to read the end of its answer.
+timeout) closes the connection before it reaches HTTP, without a log line (anyone can make one). How an idle TLS
+connection is closed: apiserver/http_connection.py.
 """
 from __future__ import annotations
 
@@ -37,7 +34,6 @@ log = logging.getLogger(__name__)
 ACCEPTS_PER_WAKEUP = 16  # a burst of connections is taken in one go, then the balance is looked at again
 ACCEPT_PAUSE_SECONDS = 0.5  # after a failed accept: the error (EMFILE...) would repeat at once
 FAILURE_REPORT_SECONDS = 1.0  # failed accepts are logged at most this often, with their count
-TLS_CLOSE_SECONDS = 5.0  # a TLS connection's close: what is left sent, and the client's close_notify awaited
 
 
 class BalancedAcceptor:
@@ -49,7 +45,6 @@ class BalancedAcceptor:
         self._tls = tls
         # (connect_accepted_socket refuses a handshake timeout without TLS)
         self._handshake_timeout = handshake_timeout if tls is not None else None
-        self._close_timeout = TLS_CLOSE_SECONDS if tls is not None else None
         self._sock.setblocking(False)
         self._factory = protocol_factory
         self._state = state
@@ -145,8 +140,7 @@ class BalancedAcceptor:
     async def _connect(self, conn: socket.socket, protocol) -> None:
         try:
             await self._loop.connect_accepted_socket(lambda: protocol, sock=conn, ssl=self._tls,
-                                                     ssl_handshake_timeout=self._handshake_timeout,
-                                                     ssl_shutdown_timeout=self._close_timeout)
+                                                     ssl_handshake_timeout=self._handshake_timeout)
         except OSError:  # ssl.SSLError and TimeoutError among them; the protocol never saw the connection
             self._count(-1)
             conn.close()

@@ -44,6 +44,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apiserver.direct_body import DIRECT_BODY, DirectBody
+from apiserver.idle_close import close_idle
 from apiserver.ignored_upgrade import head_without_upgrade, new_parser
 from apiserver.errors import ApiError, InvalidRequest, RequestTimeout, ShuttingDown, error_body
 from apiserver.lingering_close import LINGER_IDLE_SECONDS, LINGER_SECONDS, DiscardingParser, LingeringClose
@@ -121,10 +122,12 @@ class HttpConnection(HttpToolsProtocol):
         self._reads_without_body = 0  # bytes read since the request began (after its first read) or since its last body bytes
         self._upgrade_asked = False  # the request being read asks to switch protocols (ignored_upgrade.py)
         self._last_answer: ConnectionAnswer | None = None  # ours, once the requests read before it are answered
+        self._tls = False
 
     # Connection.
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._tls = transport.get_extra_info("ssl_object") is not None
         if self._policy.write_batch is not None:
             self.transport = BatchedTransport(transport, self._policy.write_batch)
         self._made_at = self.loop.time()
@@ -138,6 +141,22 @@ class HttpConnection(HttpToolsProtocol):
         if isinstance(self.transport, BatchedTransport):
             self.transport.flush()
         return super().eof_received()
+
+    def shutdown(self) -> None:
+        """uvicorn's, with an idle connection closed by close_idle."""
+        if self.cycle is None or self.cycle.response_complete:
+            self._close_idle()
+        else:
+            self.cycle.keep_alive = False
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's timer after a response, with the connection closed by close_idle."""
+        self._close_idle()
+
+    def _close_idle(self) -> None:
+        if isinstance(self.transport, BatchedTransport):
+            self.transport.flush()  # an answer still in the batch is sent, not dropped by an abort
+        close_idle(self.transport, self._tls)
 
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
@@ -301,7 +320,7 @@ class HttpConnection(HttpToolsProtocol):
         elif self.scope is None:  # not a byte of a request yet
             left = self._made_at + self._policy.timeout_keep_alive - now
             if left <= 0:
-                self.transport.close()
+                self._close_idle()
                 return
         else:
             left = timeout  # a request is being served, or uvicorn's keep-alive timer watches the idle time
