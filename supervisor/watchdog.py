@@ -58,7 +58,7 @@ class Watchdog:
         self.restarts_due: dict[int, int | None] = {}  # index of a dead API server -> the index it replaced
         self.to_roll: deque[int] = deque()  # SIGHUP: indices still to replace
         self.rolling = False
-        self.roll_again = False  # a rank came back during a rolling restart: roll once more when it ends
+        self.roll_again = False  # asked for during a rolling restart (SIGHUP, a rank back): roll once more after it
         self.rolled_out: list[Child] = []  # the servers this rolling restart drained
         self.roll_end_deadline = 0.0
         self.engine_failed = False  # the group goes down when the grace ends; nothing is restarted meanwhile
@@ -117,7 +117,9 @@ class Watchdog:
 
     def _begin_rolling_restart(self, why: str) -> None:
         if self.rolling:
-            log.info("%s: a rolling restart is already under way", why)
+            # Servers started before `why` (a renewed certificate copied, a rank back) would keep what they read.
+            log.info("%s: a rolling restart is under way; another follows it", why)
+            self.roll_again = True
             return
         log.info("%s: rolling restart of %d API server(s)", why, len(self.group.api_servers))
         self.notifier.reloading()
@@ -148,7 +150,7 @@ class Watchdog:
         log.info("rolling restart done")
         if self.roll_again:
             self.roll_again = False
-            self._begin_rolling_restart("a rank came back during the last one")
+            self._begin_rolling_restart("asked for during the last one")
 
     def _remove_one_server(self) -> None:
         if len(self.group.api_servers) <= 1:
@@ -239,10 +241,7 @@ class Watchdog:
         self.group.take_back_rank(event.rank, event.address)
         log.info("rank %d is back (node %s, engine at %s): replacing the API servers so they reach it",
                  event.rank, event.node, event.address)
-        if self.rolling:
-            self.roll_again = True
-        else:
-            self._begin_rolling_restart(f"rank {event.rank} is back")
+        self._begin_rolling_restart(f"rank {event.rank} is back")
 
     # Timers.
     def _on_timer(self, key) -> Outcome | None:

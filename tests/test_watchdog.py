@@ -235,13 +235,27 @@ def test_sighup_replaces_each_server_once_its_successor_is_ready(setup):
     assert group.calls == [("spawn", 2, 0)] and "reloading" in notifier.sent
     watchdog.handle(ChildReady(group.api_servers[2], True))
     assert group.calls[1:] == [("drain", 0), ("spawn", 3, 1)]  # index 0 is held while its server drains
-    watchdog.handle(SignalArrived(signal.SIGHUP))  # already under way: ignored
     watchdog.handle(ChildReady(group.api_servers[3], True))
     assert group.calls[3:] == [("drain", 1)]
     assert notifier.sent[-1] == "ready" and sorted(group.api_servers) == [2, 3]
     watchdog.handle(group.dies(group.draining[0], exitcode=0))
     assert group.calls[-1] == ("reap", "ApiServer_0")
     assert not any(call[0] == "spawn" and call[1] == 0 for call in group.calls)  # a drained server stays gone
+
+
+def test_a_sighup_during_a_rolling_restart_rolls_again_after_it(setup):
+    """The second SIGHUP copied renewed TLS files: a server started before that read the old ones. It was dropped
+    ("already under way"), and a third of the connections kept the old certificate."""
+    watchdog, group, _, _, notifier = setup()
+    watchdog.handle(SignalArrived(signal.SIGHUP))
+    watchdog.handle(ChildReady(group.api_servers[2], True))
+    watchdog.handle(SignalArrived(signal.SIGHUP))  # ApiServer_3 is starting: it may have read the old files
+    watchdog.handle(ChildReady(group.api_servers[3], True))
+    assert group.calls[-2:] == [("drain", 1), ("spawn", 4, 2)]  # the second roll begins with the first's servers
+    assert notifier.sent.count("ready") == 1 and notifier.sent[-1] == "reloading"
+    watchdog.handle(ChildReady(group.api_servers[4], True))
+    watchdog.handle(ChildReady(group.api_servers[5], True))
+    assert sorted(group.api_servers) == [4, 5] and notifier.sent[-1] == "ready" and not watchdog.rolling
 
 
 def test_a_rolling_restart_ends_only_once_the_drained_servers_stopped_listening(setup, caplog):
