@@ -35,7 +35,7 @@ from supervisor.refused_handshakes import RefusedHandshakes
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024  # a HELLO is a few hundred bytes: refuse what could only be an attack
-REFUSED_KEPT = 1024  # refused node ids remembered (one error line each)
+REMEMBERED = 1024  # refused node ids remembered (one error line each), and ids of nodes that left
 
 
 @dataclass
@@ -65,9 +65,10 @@ class Registry:
         self._refused_handshakes = RefusedHandshakes(self._sock, keyed=curve is not None)
         self.ranks: dict[int, _Registration] = {}
         self._events: list = []
-        # Node ids refused once: one error line each. The last REFUSED_KEPT only: the ids come from the network,
+        # Node ids refused once: one error line each. The last REMEMBERED only: the ids come from the network,
         # and whoever can reach the port could send new ones without end.
         self._refused: dict[str, None] = {}
+        self._left: dict[str, None] = {}  # nodes that said LEAVING: a HELLO of theirs still queued is stale
 
     # For the event source.
     def filenos(self) -> list[int]:
@@ -82,11 +83,7 @@ class Registry:
     def take(self) -> list:
         """What happened since the last call: RankJoined and RankLost events."""
         self._refused_handshakes.take()
-        while True:
-            try:
-                identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for identity, frames in self._latest_messages():
             self._on_message(identity, frames)
         self._check_silence()
         events, self._events = self._events, []
@@ -111,6 +108,20 @@ class Registry:
         self._zmq.term()
 
     # Messages.
+    def _latest_messages(self) -> list[tuple[bytes, list[bytes]]]:
+        """What waits on the port, the last message of each peer only: after the head was stopped (SIGSTOP, a
+        long pause), a node's old HELLOs wait before its LEAVING, and taken in turn they registered a node that had
+        gone (a needless rolling restart, whose new servers died reaching its engine)."""
+        latest: dict[bytes, list[bytes]] = {}
+        while True:
+            try:
+                identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            latest.pop(identity, None)  # (a dict keeps insertion order: each peer's place is its last message's)
+            latest[identity] = frames
+        return list(latest.items())
+
     def _on_message(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             message = decode_node_message(frames)
@@ -120,6 +131,7 @@ class Registry:
         if isinstance(message, NodeHello):
             self._on_hello(identity, message)
         elif isinstance(message, NodeLeaving):
+            self._remember(self._left, message.node_id)
             self._drop_node(message.node_id, f"its node left: {message.reason}", RANK_NODE_LEFT)
         elif isinstance(message, NodeDraining):
             self._on_draining(identity, message)
@@ -127,6 +139,8 @@ class Registry:
             log.warning("ignoring a %s on the registration port", type(message).__name__)
 
     def _on_hello(self, identity: bytes, hello: NodeHello) -> None:
+        if hello.node_id in self._left:
+            return  # late: the node said it left (a node's id is new each run)
         refusal = self._refusal(hello)
         if refusal is not None:
             if not self._refused_before(hello):
@@ -189,10 +203,15 @@ class Registry:
         """One error line per refused node, not one per beat (it exits on the refusal, but a beat may be queued)."""
         seen = hello.node_id in self._refused
         if not seen:
-            self._refused[hello.node_id] = None
-            if len(self._refused) > REFUSED_KEPT:
-                del self._refused[next(iter(self._refused))]
+            self._remember(self._refused, hello.node_id)
         return seen
+
+    @staticmethod
+    def _remember(ids: dict[str, None], node_id: str) -> None:
+        """Node ids come from the network: only the last REMEMBERED of a kind are kept."""
+        ids[node_id] = None
+        if len(ids) > REMEMBERED:
+            del ids[next(iter(ids))]
 
     def _holds_any(self, node_id: str) -> bool:
         return any(r.node_id == node_id for r in self.ranks.values())
