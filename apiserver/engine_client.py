@@ -52,11 +52,13 @@ _CLOSE_GRACE_SECONDS = 0.5
 class EngineClient:
     def __init__(self, addresses: list[str], index: int, on_in_flight=None, ranks: list[int] | None = None,
                  curve: CurveKeys | None = None, group: GroupInFlight | None = None,
-                 backlogs: Backlogs | None = None):
+                 backlogs: Backlogs | None = None, marks: GroupState | None = None):
         """`ranks`: the data-parallel rank of each address (default 0, 1, ...); `curve`: the key for TCP ones;
         `group`: the group's in-flight counters per rank, which the balancer reads (apiserver/engine_loads.py);
         `backlogs`: how much of a stream's outputs (--max-stream-backlog-mb), and of all streams' together
-        (--max-total-stream-backlog-mb), may wait for their consumers before a request is aborted."""
+        (--max-total-stream-backlog-mb), may wait for their consumers before a request is aborted;
+        `marks`: where the supervisor marks ranks down or draining, read when a connection drops (its node may have
+        left, or stopped draining, before this server took the mark)."""
         self.backlogs = backlogs if backlogs is not None else Backlogs()
         self._ctx = zmq.Context()
         identity = api_server_identity(index)
@@ -77,6 +79,7 @@ class EngineClient:
         self._unanswered: dict[int, str] = {}  # engine -> why it counts as not answering (missed pings)
         # engine -> why it takes no new requests: its node is stopping. Its running ones finish; it is still pinged.
         self.draining: dict[int, str] = {}
+        self._marks = marks
 
     @classmethod
     def for_launch(cls, launch: ApiServerLaunch, group: GroupState) -> "EngineClient":
@@ -86,7 +89,8 @@ class EngineClient:
         return cls(list(launch.engine_addresses), index, on_in_flight=lambda n: group.set_in_flight(index, n),
                    ranks=list(launch.engine_ranks), curve=launch.curve, group=GroupInFlight(group, index),
                    backlogs=Backlogs(launch.config.max_stream_backlog_mb * 2**20,
-                                     launch.config.max_total_stream_backlog_mb * 2**20))
+                                     launch.config.max_total_stream_backlog_mb * 2**20),
+                   marks=group)
 
     # Life cycle.
     async def start(self, ping_timeout: float) -> None:
@@ -250,6 +254,7 @@ class EngineClient:
         if engine in self.down:
             return
         self.down[engine] = reason
+        self.draining.pop(engine, None)
         log.error("down: %s", reason)
         error = EngineDeadError(reason)
         self._fail_streams(error, engine)
@@ -263,12 +268,20 @@ class EngineClient:
         if not self._links.drops(engine) or engine in self.down:
             return
         rank = self.ranks[engine]
+        down = self._marks.down_ranks() if self._marks is not None else {}
+        if rank in down:  # its node left (or its engine exited) as the connection went: that is why
+            self.mark_rank_down(rank, down[rank])
+            return
         # No new work there until it answers a ping again (engine_watch clears this): sent now, a request would
         # wait for the link to come back.
         self.set_unanswered(engine, f"the connection to engine core DP{rank} dropped")
-        failed = self.fail_requests_on(engine, f"the connection to engine core DP{rank} dropped while the request "
-                                       f"ran (the network to its node failed, or the engine stopped answering): "
-                                       f"outputs of the request may have been lost")
+        if engine in self.draining or (self._marks is not None and rank in self._marks.draining_ranks()):
+            # A drain cut short (--shutdown-timeout, a second signal): not the network.
+            why = f"engine core DP{rank}'s node stopped before the request finished"
+        else:
+            why = (f"the connection to engine core DP{rank} dropped while the request ran (the network to its node "
+                   "failed, or the engine stopped answering): outputs of the request may have been lost")
+        failed = self.fail_requests_on(engine, why)
         log.log(logging.WARNING if failed else logging.INFO, "the connection to engine core DP%d (%s) dropped; "
                 "%d request(s) in flight there failed", rank, self.addresses[engine], failed)
 

@@ -186,11 +186,16 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 group.stop(drain_timeout=0)
                 return 1
             if isinstance(event, SignalArrived) and event.signum in STOP_SIGNALS:
+                if not link.head_id:  # never registered: no head sent its engines a request
+                    log.info("stopping before any head registered this node")
+                    return _leave(group, link, "stopped")
                 if drain is None:
                     drain = _start_drain(config, group, link, notifier, time.monotonic() - link.last_answer > 2 * beat)
                     timers.set(_DRAIN_POLL, 0)
                     continue
-                log.warning("a second stop signal: leaving now")
+                assert group.engine_link is not None  # the engines serve
+                log.warning("a second stop signal: leaving now with %d request(s) unfinished",
+                            drain.unfinished(group.engine_link.stats))
                 return _leave(group, link, "stopped (a second signal cut the drain short)")
             if isinstance(event, TimerFired) and event.key == _DRAIN_POLL and drain is not None:
                 left = _drain_step(config, group, link, drain)
@@ -242,6 +247,13 @@ def _drain_step(config: ServeConfig, group: ProcessGroup, link: HeadLink, drain:
     if drain.drained(stats):
         log.info("the engines run nothing more")
         return _leave(group, link, "stopped")
+    silent = time.monotonic() - link.last_answer
+    if silent > config.engine_ping_interval:
+        # Gone (its requests have no reader), or cut off; a head frozen with its API servers alive still sends
+        # work here, as it never heard of the drain: waiting on would only cut more requests later.
+        log.warning("the head at %s has not answered for %.0f s: leaving with %d request(s) unfinished", link.head,
+                    silent, drain.unfinished(stats))
+        return _leave(group, link, "stopped (the head did not answer)")
     if drain.timed_out():
         log.warning("--shutdown-timeout (%g s) passed with %d request(s) unfinished: leaving anyway",
                     config.shutdown_timeout, drain.unfinished(stats))

@@ -83,8 +83,8 @@ class Registry:
     def take(self) -> list:
         """What happened since the last call: RankJoined and RankLost events."""
         self._refused_handshakes.take()
-        for identity, frames in self._latest_messages():
-            self._on_message(identity, frames)
+        for identity, message in self._latest_messages():
+            self._on_message(identity, message)
         self._check_silence()
         events, self._events = self._events, []
         return events
@@ -108,26 +108,27 @@ class Registry:
         self._zmq.term()
 
     # Messages.
-    def _latest_messages(self) -> list[tuple[bytes, list[bytes]]]:
-        """What waits on the port, the last message of each peer only: after the head was stopped (SIGSTOP, a
-        long pause), a node's old HELLOs wait before its LEAVING, and taken in turn they registered a node that had
-        gone (a needless rolling restart, whose new servers died reaching its engine)."""
-        latest: dict[bytes, list[bytes]] = {}
+    def _latest_messages(self) -> list[tuple[bytes, object]]:
+        """What waits on the port, decoded (a malformed message dropped with a line), the last message of each peer
+        only: after the head was stopped (SIGSTOP, a long pause), a node's old HELLOs wait before its LEAVING, and
+        taken in turn they registered a node that had gone (a needless rolling restart, whose new servers died
+        reaching its engine)."""
+        latest: dict[bytes, object] = {}
         while True:
             try:
                 identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            try:
+                message = decode_node_message(frames)
+            except MalformedMessage as exc:
+                log.warning("ignoring a malformed message on the registration port: %s", exc)
+                continue
             latest.pop(identity, None)  # (a dict keeps insertion order: each peer's place is its last message's)
-            latest[identity] = frames
+            latest[identity] = message
         return list(latest.items())
 
-    def _on_message(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            message = decode_node_message(frames)
-        except MalformedMessage as exc:
-            log.warning("ignoring a malformed message on the registration port: %s", exc)
-            return
+    def _on_message(self, identity: bytes, message) -> None:
         if isinstance(message, NodeHello):
             self._on_hello(identity, message)
         elif isinstance(message, NodeLeaving):
@@ -220,7 +221,9 @@ class Registry:
         for rank, held in sorted(self.ranks.items()):
             if held.node_id == node_id:
                 del self.ranks[rank]
-                log.error("rank %d lost (node %s): %s", rank, held.node_name, reason)
+                # (a drained node's leave was planned: not an error)
+                log.log(logging.WARNING if held.draining else logging.ERROR, "rank %d lost (node %s): %s", rank,
+                        held.node_name, reason)
                 self._events.append(RankLost(rank, reason, why))
 
     def _check_silence(self) -> None:

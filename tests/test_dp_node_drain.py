@@ -8,6 +8,7 @@ import time
 import uuid
 
 import httpx
+import psutil
 
 from ipc.registration import NodeDraining
 from tests.dp_support import SIM_MODEL, complete, deployment, raw_node_message, wait_for  # noqa: F401
@@ -96,8 +97,23 @@ def test_a_second_sigterm_cuts_the_drain_short(deployment):
     node.proc.send_signal(signal.SIGTERM)
     assert node.wait_exit(15) == 0
     stream.join(30)
-    assert "error" in stream.events[-1] and "engine core DP1" in stream.events[-1]["error"]["message"], \
-        stream.events[-1:]
+    message = stream.events[-1].get("error", {}).get("message", "")
+    assert "engine core DP1" in message and "node" in message and "network" not in message, stream.events[-1:]
     assert len(stream.text()) < 5000
-    assert "a second stop signal: leaving now" in node.log()
+    assert "a second stop signal: leaving now with 1 request(s) unfinished" in node.log()
     assert "its node left: stopped (a second signal cut the drain short)" in head.log()
+
+
+def test_a_node_whose_head_is_gone_does_not_wait_for_requests_nobody_reads(deployment):
+    """The head was SIGKILLed (every process of it) while a stream ran on the node: its engine decodes on for no
+    reader. The node's drain waited for it until --shutdown-timeout (26 s in a sweep); it leaves once the head has
+    not answered for --engine-ping-interval (1 s here)."""
+    head, node, _ = deployment.head_and_node()
+    stream = Stream(head.url, 5000)
+    stream.start()
+    assert stream.started.wait(30)
+    for process in [psutil.Process(head.pid), *head.children()]:
+        process.kill()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait_exit(10) == 0
+    assert "has not answered for" in node.log() and "leaving with 1 request(s) unfinished" in node.log()

@@ -22,7 +22,7 @@ def test_refused_node_ids_are_remembered_within_a_bound():
             hello = NodeHello(node_id=f"node-{i}", node_name="x", data_parallel_size=3, ranks=[1],
                               addresses=["tcp://127.0.0.1:1"], model_name=config.model_name, vocab_size=1,
                               max_model_len=1, head_id="")
-            registry._on_message(b"peer", encode_node_message(hello))
+            registry._on_message(b"peer", hello)
         assert len(registry._refused) <= REMEMBERED
         assert registry.registered() == {}
     finally:
