@@ -148,8 +148,10 @@ class EngineClient:
         (UnknownRank if this group has none such, EngineDeadError if it is down); the caller reads the returned
         stream and must call `release` when done with it."""
         pinned = self.engine_of_rank(rank) if rank is not None else None
-        if pinned is None and (self.dead_reason or self.draining_reason) is not None:
-            raise EngineDeadError(self.dead_reason or self.draining_reason)
+        if pinned is None:
+            unavailable = self.dead_reason or self.draining_reason
+            if unavailable is not None:
+                raise EngineDeadError(unavailable)
         for request_id, _ in requests:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
@@ -316,7 +318,7 @@ class EngineClient:
     @property
     def draining_reason(self) -> str | None:
         """Why no engine takes new requests, where every one that is not down drains."""
-        return self._every_usable(self.draining)
+        return self._every_usable(self.draining) if self.draining else None  # (per request: no list made)
 
     def set_unanswered(self, engine: int, reason: str | None) -> None:
         """engine_watch's verdict on `engine`: why it is not answering pings now, or None once it does."""
@@ -360,7 +362,9 @@ class EngineClient:
     def _least_loaded(self) -> int:
         if len(self._sockets) == 1:
             return 0
-        usable = [e for e in self.usable() if e not in self.draining]
+        usable = self.usable()
+        if self.draining:
+            usable = [e for e in usable if e not in self.draining]
         return self.loads.least_loaded(usable, {e for e in usable if e not in self._unanswered})
 
     def _send(self, engine: int, record) -> None:

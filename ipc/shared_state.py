@@ -205,14 +205,16 @@ class GroupState:
         return {rank for rank in range(MAX_RANKS) if self._ints[base + rank] == RANK_DRAINING}
 
     def mark_engine_dead(self, rank: int, why: int = RANK_EXITED) -> None:
-        self._ints[_RANKS_OFFSET // 8 + rank] = why
-        self._ints[_GLOBAL_OFFSET // 8] += 1
+        self._mark_rank(rank, why)
 
     def mark_rank_draining(self, rank: int) -> None:
-        self.mark_engine_dead(rank, RANK_DRAINING)
+        self._mark_rank(rank, RANK_DRAINING)
 
     def mark_engine_live(self, rank: int) -> None:
-        self._ints[_RANKS_OFFSET // 8 + rank] = 0
+        self._mark_rank(rank, 0)
+
+    def _mark_rank(self, rank: int, code: int) -> None:
+        self._ints[_RANKS_OFFSET // 8 + rank] = code
         self._ints[_GLOBAL_OFFSET // 8] += 1
 
     # Set by the supervisor before it stops the API servers for good (not when it drains one that a new

@@ -234,7 +234,8 @@ def _positive(click_context, param, value):
                    "the connection is closed. Also a TLS handshake's bound (with --grpc, only that).")
 @click.option("--engine-ping-interval", default=_DEFAULTS.engine_ping_interval, show_default=True,
               type=click.FloatRange(0.1), help="Seconds between an API server's pings of each engine: one "
-              "unanswered this long turns /health to 503, three in a row stop the API server; the supervisor pings its "
+              "unanswered this long turns /health to 503, three in a row fail that rank's requests (and stop the API "
+              "server when no other rank answers); the supervisor pings its "
               "own engines too and kills one that leaves a ping unanswered for five intervals (an engine failure).")
 @click.option("--engine-step-timeout", default=_DEFAULTS.engine_step_timeout, show_default=True,
               type=click.FloatRange(0, min_open=True),

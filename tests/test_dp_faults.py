@@ -55,11 +55,12 @@ def test_nodes_that_do_not_fit_are_refused_with_one_line_on_both_sides(deploymen
     ctx.setsockopt(zmq.LINGER, 0)  # a socket a failed test leaves open never blocks term() in GC
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{rpc}")
-    for frames in ([b"H", b"{not json"], [b"H", b'{"node_id": 5}'], [b"Z", b"{}"], [b"x"] * 5, [b"H", b"[1,2]"]):
+    for frames in ([b"H", b"{not json"], [b"H", b'{"node_id": 5}'], [b"Z", b"{}"], [b"x"] * 5, [b"H", b"[1,2]"],
+                   [b"D", b'{"node_id": ["x"], "reason": null}'], [b"L", b'{"node_id": "n"}']):
         sock.send_multipart(frames)
     sock.close(500)
     ctx.term()
-    wait_for(lambda: head.log().count("ignoring a malformed message on the registration port") >= 5, 10,
+    wait_for(lambda: head.log().count("ignoring a malformed message on the registration port") >= 7, 10,
              "the malformed messages to be dropped", head)
     assert complete(head.url).status_code == 200 and head.proc.poll() is None
 
