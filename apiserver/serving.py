@@ -69,12 +69,15 @@ class GenerationServing:
         """The rank a router pinned the request to: vLLM's X-data-parallel-rank header, else the body's
         `data_parallel_rank` (what smg sends to a DP-aware worker). A rank this group does not serve is a 400,
         one that is down a 503, both before anything runs."""
-        value = request.headers.get(RANK_HEADER)
+        value = _one_header_value(request, RANK_HEADER)
         if value is not None:
             text = value.strip()
             if not (text.isascii() and text.isdigit() and len(text) <= 4):
-                raise InvalidRequest(f"The {RANK_HEADER} header must be a rank number, not {value[:40]!r}.",
+                raise InvalidRequest(f"The {RANK_HEADER} header must be a rank number, not {_as_sent(value)[:40]!r}.",
                                      param=RANK_HEADER)
+            if body_rank is not None and body_rank != int(text):
+                raise InvalidRequest(f"The {RANK_HEADER} header ({int(text)}) and the body's data_parallel_rank "
+                                     f"({body_rank}) name different ranks.", param=RANK_HEADER)
             body_rank = int(text)
         if body_rank is not None:
             self.ctx.sync_down_ranks()
@@ -120,3 +123,22 @@ def _logprob_entries(generation: Generation, deltas: list[Delta]) -> int:
     top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
     tokens = sum(len(d.logprobs or ()) + len(d.prompt_logprobs or ()) for d in deltas)
     return tokens * (1 + top)
+
+
+def _one_header_value(request: Request, name: str) -> str | None:
+    """The header's value; a 400 when it comes more than once with different values (which one a proxy or this
+    server would honour is anybody's guess, so neither is)."""
+    values = set(request.headers.getlist(name))
+    if len(values) > 1:
+        shown = ", ".join(sorted(repr(_as_sent(value)[:40]) for value in values))
+        raise InvalidRequest(f"The {name} header came more than once, with different values: {shown}.", param=name)
+    return values.pop() if values else None
+
+
+def _as_sent(value: str) -> str:
+    """A header value as its client most likely wrote it: HTTP hands over bytes, which the ASGI server decodes as
+    Latin-1, so a UTF-8 client's '１' (a full-width digit) would show as three odd characters in an error."""
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value

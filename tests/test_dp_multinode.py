@@ -57,6 +57,18 @@ def test_a_head_and_a_headless_node_serve_as_one_endpoint(deployment, key_file):
     for bad in ("4", "one", "-1"):
         r = complete(head.url, {"X-data-parallel-rank": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-data-parallel-rank", r.text
+    # A full-width digit is shown as the client wrote it (its UTF-8 bytes, which HTTP hands over as Latin-1).
+    r = complete(head.url, {"X-data-parallel-rank": "１".encode()})
+    assert r.status_code == 400 and "not '１'" in r.json()["error"]["message"], r.text
+    # Two ranks named, by two headers or by the header and the body: refused rather than one picked.
+    r = httpx.post(f"{head.url}/v1/completions", headers=[("X-data-parallel-rank", "1"), ("X-data-parallel-rank", "2")],
+                   json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400 and "more than once" in r.json()["error"]["message"], r.text
+    r = complete(head.url, {"X-data-parallel-rank": "1"}, data_parallel_rank=2)
+    assert r.status_code == 400 and "name different ranks" in r.json()["error"]["message"], r.text
+    before = served_by_rank(head.url)[2]  # the same rank twice is no conflict
+    assert complete(head.url, {"X-data-parallel-rank": "2"}, data_parallel_rank=2).status_code == 200
+    assert served_by_rank(head.url)[2] == before + 1
 
     metrics = httpx.get(f"{head.url}/metrics", timeout=10).text
     assert all(f'supervise_engine_up{{model_name="{SIM_MODEL}",engine="{r}"}} 1' in metrics for r in range(4))
