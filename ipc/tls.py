@@ -66,7 +66,16 @@ def keep_files(config: ServeConfig) -> str | None:
     link = os.path.join(config.runtime_dir, KEPT)
     os.symlink(fresh, link + ".new")
     os.replace(link + ".new", link)
+    _remove_older_copies(config.runtime_dir, fresh)
     return None
+
+
+def _remove_older_copies(runtime_dir: str, kept: str) -> None:
+    """Every copy but the one the link names: no server reads one again (a running server holds its context, a
+    new one opens the files through the link), and a group renewed by SIGHUP each day would keep them all."""
+    for entry in os.scandir(runtime_dir):
+        if entry.name.startswith("tls-") and entry.path != kept:
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def kept_files(config: ServeConfig) -> tuple[str, str | None, str | None]:

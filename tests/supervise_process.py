@@ -151,6 +151,12 @@ def terminate(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait(5)
 
 
+def runtime_dir_of(api_server: psutil.Process) -> str:
+    """The group's runtime directory, where the API server's metrics file lies."""
+    (path,) = {m.path for m in api_server.memory_maps() if os.path.basename(m.path).startswith("metrics-")}
+    return os.path.dirname(path)
+
+
 def title_of(process: psutil.Process) -> str:
     """The process title as `ps` shows it (setproctitle pads the command line with spaces)."""
     try:

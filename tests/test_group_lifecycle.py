@@ -10,7 +10,7 @@ import httpx
 import psutil
 
 from tests.load import BackgroundLoad
-from tests.supervise_process import Supervise, title_of, wait_gone
+from tests.supervise_process import Supervise, runtime_dir_of, title_of, wait_gone
 
 SIM = ("--model", "sim:10")
 
@@ -188,12 +188,6 @@ def test_killed_engine_means_503_then_exit_non_zero(start_supervise):
     assert server.wait_exit(30) != 0
     assert "EngineCore_DP0 died: killed by SIGKILL" in server.log()
     assert wait_gone(children, 5) == []
-
-
-def runtime_dir_of(api_server: psutil.Process) -> str:
-    """The group's runtime directory, where the API server's metrics file lies."""
-    (path,) = {m.path for m in api_server.memory_maps() if os.path.basename(m.path).startswith("metrics-")}
-    return os.path.dirname(path)
 
 
 def test_killed_supervisor_takes_every_child_with_it_and_its_runtime_directory(start_supervise):

@@ -1,6 +1,7 @@
 """TLS on the API port (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs): the openai client over
 HTTPS, mutual TLS, gRPC over TLS, the options checked before anything starts, and what a careless or hostile client
 does to a TLS port (plain HTTP, a handshake never begun, a body the server refuses)."""
+import os
 import signal
 import socket
 import ssl
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from tests.supervise_process import SUPERVISE, Supervise
+from tests.supervise_process import SUPERVISE, Supervise, runtime_dir_of, title_of
 
 MODEL = "sim:5"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -272,6 +273,11 @@ def test_sighup_serves_a_renewed_certificate_and_keeps_serving_when_the_files_ar
         assert "not a PEM certificate" in server.log().split("SIGHUP: no rolling restart")[1].splitlines()[0]
         assert serial_served(server) == {second}
         assert server.log().count("rolling restart done") == 1 and "Traceback" not in server.log()
+        # One copy of the files is kept, the one served: not one more per SIGHUP.
+        api_server = next(c for c in server.children() if title_of(c).startswith("supervise: ApiServer_"))
+        runtime_dir = runtime_dir_of(api_server)
+        copies = [name for name in os.listdir(runtime_dir) if name.startswith("tls-")]
+        assert [os.path.join(runtime_dir, name) for name in copies] == [os.readlink(f"{runtime_dir}/tls")], copies
 
 
 def test_an_api_server_restarted_after_the_files_broke_serves_what_was_checked(pki, tmp_path):
