@@ -76,6 +76,14 @@ def connect_dealer(ctx: zmq.Context[zmq.Socket[Any]], address: str, identity: by
                    immediate: bool = False) -> zmq.Socket[Any]:
     """`immediate`: queue nothing while not connected (a send then raises zmq.Again), for messages that are
     only worth sending now, never later (a headless node's heartbeat)."""
+    sock = dealer(ctx, address, identity, curve, immediate)
+    sock.connect(address)
+    return sock
+
+
+def dealer(ctx: zmq.Context[zmq.Socket[Any]], address: str, identity: bytes, curve: CurveKeys | None = None,
+           immediate: bool = False) -> zmq.Socket[Any]:
+    """connect_dealer's socket before it connects (to watch it with a monitor from its first handshake on)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, int(immediate))
@@ -83,7 +91,6 @@ def connect_dealer(ctx: zmq.Context[zmq.Socket[Any]], address: str, identity: by
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.IDENTITY, identity)
     _secure(ctx, sock, address, curve, server=False)
-    sock.connect(address)
     return sock
 
 

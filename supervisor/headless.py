@@ -26,6 +26,7 @@ import uuid
 
 import zmq
 from setproctitle import setproctitle
+from zmq.utils.monitor import recv_monitor_message
 
 from ipc.config import ServeConfig
 from ipc.curve import CurveKeys, KeyProblem, load_keys, warn_if_unauthenticated
@@ -33,7 +34,7 @@ from ipc.logs import setup_logging
 from ipc.model_info import ModelInfo
 from ipc.registration import (HelloAccepted, HelloRefused, MalformedMessage, NodeDraining, NodeHello, NodeLeaving,
                               decode_node_message, encode_node_message)
-from ipc.sockets import NODE_SUPERVISOR_IDENTITY, connect_dealer, tcp_address
+from ipc.sockets import NODE_SUPERVISOR_IDENTITY, dealer, tcp_address
 from supervisor.engine_liveness import EngineLiveness
 from supervisor.events import ChildExited, EventSource, LinkEvent, SignalArrived, TimerFired, Timers
 from supervisor.group import ProcessGroup
@@ -48,6 +49,11 @@ log = logging.getLogger("supervisor")
 
 BEATS_PER_INTERVAL = 4
 WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines, the first as the head falls silent
+# Seconds before connecting again after a handshake with the head failed: ZMQ itself never tries again after one
+# the head refused for its security mechanism (nor, now and then, after one that broke off), and the head may yet
+# be restarted with this node's setting.
+CONNECT_AGAIN_AFTER = 5.0
+_MECHANISM_MISMATCH = 0x11000002  # ZMQ's protocol error code (a handshake failure's value) for it
 _BEAT = "beat"
 _DRAIN_POLL = "drain-poll"
 
@@ -61,7 +67,16 @@ class HeadLink:
         self.head = tcp_address(config.data_parallel_address, config.data_parallel_rpc_port)
         self._zmq = zmq.Context(io_threads=1)
         # Nothing queued while the head is away: a beat is worth sending now or never.
-        self._sock = connect_dealer(self._zmq, self.head, self.node_id.encode(), curve, immediate=True)
+        self._sock = dealer(self._zmq, self.head, self.node_id.encode(), curve, immediate=True)
+        # Watched from the first handshake on: one the head refuses for its mechanism is the only way this node
+        # learns why the head never answers.
+        self._handshakes = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                                         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                                         zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._sock.connect(self.head)
+        self._keyed = curve is not None
+        self.refusal: str | None = None  # why the head's handshake refuses this node, where the node can tell
+        self._connect_again_at: float | None = None  # after a failed handshake
         self.head_id = ""  # the head that last accepted this node
         self.last_answer = time.monotonic()
         self._hello = NodeHello(
@@ -71,12 +86,16 @@ class HeadLink:
         )
 
     def filenos(self) -> list[int]:
-        return [self._sock.fileno()]
+        return [self._sock.fileno(), self._handshakes.fileno()]
 
     def seconds_to_next(self) -> None:
         return None
 
     def hello(self) -> None:
+        if self._connect_again_at is not None and time.monotonic() > self._connect_again_at:
+            self._connect_again_at = None
+            self._sock.disconnect(self.head)  # no connection to lose: its handshake failed
+            self._sock.connect(self.head)
         self._hello.head_id = self.head_id
         self._send(self._hello)
 
@@ -87,6 +106,7 @@ class HeadLink:
         self._send(NodeLeaving(self.node_id, reason))
 
     def take(self) -> list[LinkEvent]:
+        self._take_handshakes()
         events: list[LinkEvent] = []
         while True:
             try:
@@ -104,6 +124,20 @@ class HeadLink:
             elif isinstance(answer, HelloRefused):
                 events.append(LinkEvent("refused", answer.reason))
 
+    def _take_handshakes(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._handshakes, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # ZMQ's own try again worked: nothing to do
+                self._connect_again_at = self.refusal = None
+                continue
+            self._connect_again_at = time.monotonic() + CONNECT_AGAIN_AFTER
+            if event["value"] == _MECHANISM_MISMATCH:
+                self.refusal = ("this node has a --data-parallel-key-file and the head none" if self._keyed else
+                                "the head has a --data-parallel-key-file and this node none")
+
     def _send(self, record) -> None:
         try:
             self._sock.send_multipart(encode_node_message(record), zmq.NOBLOCK)
@@ -113,6 +147,7 @@ class HeadLink:
         # wake, and a beat wakes it four times per interval, so an answer waits at most one beat.
 
     def close(self) -> None:
+        self._handshakes.close(linger=0)
         self._sock.close(linger=500)  # a LEAVING just sent still goes out
         self._zmq.term()
 
@@ -225,9 +260,11 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 silent = now - link.last_answer
                 if silent > config.engine_ping_interval and now - last_waiting_line > WAITING_LOG_EVERY and not drain:
                     last_waiting_line = now
+                    why = (f"its handshake refuses this node: {link.refusal}" if link.refusal else
+                           "a head that is up yet never answers refuses this node's --data-parallel-key-file: its "
+                           "log says 'refused a connection'")
                     log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it "
-                                "(a head that is up yet never answers refuses this node's --data-parallel-key-file: "
-                                "its log says 'refused a connection')", link.head, silent)
+                                "(%s)", link.head, silent, why)
                     notifier.status("waiting for the head")
 
 
