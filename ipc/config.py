@@ -114,6 +114,8 @@ class ServeConfig:
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    access_log: bool = False  # one line per HTTP request (apiserver.access_log)
+    disable_access_log_for_endpoints: tuple[str, ...] = ()  # paths left out of it (vLLM's option)
     middleware: tuple[str, ...] = ()  # "module:object" ASGI middleware, outermost first
     timeout_keep_alive: float = 5.0  # uvicorn's name and default: an idle connection is closed after this
     write_batching: bool = True  # an API server makes a loop pass's socket writes together (apiserver.write_batch)

@@ -61,6 +61,14 @@ except BaseException as exc:
 """
 
 
+def _paths(click_context, param, value: str) -> tuple[str, ...]:
+    paths = tuple(path.strip() for path in value.split(",") if path.strip())
+    for path in paths:
+        if not path.startswith("/"):
+            raise click.BadParameter(f"{path!r} is not a path (one starts with /)")
+    return paths
+
+
 def _middleware(click_context, param, value):
     """Each MODULE:OBJECT is imported and checked now, in a child Python, as an API server will build it: a module
     that is not there or an object that is not a class or a function was each API server's traceback, after the
@@ -325,6 +333,13 @@ def _positive(click_context, param, value):
               help="Report cached prompt tokens in usage.prompt_tokens_details.")
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True, help="Serve GET /tokenizer_info.")
 @click.option("--enable-server-load-tracking", is_flag=True, help="Count in-flight requests for GET /load.")
+@click.option("--access-log", is_flag=True,
+              help="Log one line per HTTP request once it is answered, as uvicorn's access log (vLLM's default): "
+                   "client, request line, status, seconds taken (a stream's at its end). Off by default: each line "
+                   "costs the request CPU time.")
+@click.option("--disable-access-log-for-endpoints", metavar="PATHS", callback=_paths, default="",
+              help="With --access-log: paths left out of it, comma-separated (e.g. /health,/metrics,/ping; vLLM's "
+                   "option).")
 @click.option("--middleware", multiple=True, metavar="MODULE:OBJECT", callback=_middleware,
               help="Extra ASGI middleware (a class, or `async def f(request, call_next)`); repeatable, "
                    "outermost first. Each is imported once at start-up to check it (a child Python), then in "
@@ -389,6 +404,8 @@ def build_config(options: dict) -> ServeConfig:
 
     if options.get("enable_auto_tool_choice") and not options.get("tool_call_parser"):
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser")
+    if options.get("disable_access_log_for_endpoints") and not options.get("access_log"):
+        raise click.UsageError("--disable-access-log-for-endpoints goes with --access-log (off by default here)")
     config = ServeConfig(**options)
     try:
         layout_of(config)

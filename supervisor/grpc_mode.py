@@ -19,7 +19,7 @@ from supervisor.listen_socket import bind_shared_port
 HTTP_ONLY_OPTIONS = (
     "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "enable_request_id_headers",
     "disable_docs", "sse_keep_alive_interval", "enable_prompt_tokens_details", "enable_tokenizer_info_endpoint",
-    "enable_server_load_tracking", "middleware", "timeout_keep_alive",
+    "enable_server_load_tracking", "access_log", "disable_access_log_for_endpoints", "middleware", "timeout_keep_alive",
     "accept_backoff_ms", "write_batching", "direct_stream_events",
     # Chat rendering, tools and reasoning: with --grpc the gateway renders and parses (smg has these options).
     "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "tokenizer_word_cache",
