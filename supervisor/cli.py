@@ -8,6 +8,7 @@ import sys
 import click
 
 from ipc.config import METRICS_NAMES, REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig
+from supervisor.config_file import load_config_file
 
 _DEFAULTS = ServeConfig()
 
@@ -102,6 +103,9 @@ def _positive(click_context, param, value):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=load_config_file,
+              help="Read options from a YAML file of `option-name: value` pairs (vLLM's --config); the command "
+                   "line wins over it. A key that is no option is refused.")
 @click.option("--host", default=_DEFAULTS.host, show_default=True, callback=_host,
               help="Address to listen on (an IP address of this machine or a host name; 0.0.0.0: every interface).")
 @click.option("--port", default=_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),

@@ -1,0 +1,71 @@
+"""--config FILE: the command line's options from a YAML file (vLLM's `--config`), for a service that keeps its
+settings in /etc rather than in a long ExecStart line.
+
+    model: /srv/models/llama-3.1-8b
+    api-server-count: 8
+    enable-prefix-caching: false
+    allowed-origins: [https://app.example.com]
+
+A key is an option's name without its dashes (`api-server-count`, or `api_server_count`); a switch takes true or
+false; an option given more than once (`--middleware`) takes a list. The command line wins over the file, and the
+file over the environment's variables and the defaults (click's order: command line, environment, file, default).
+Every value goes through the option's own check, so a bad one is the same one line and exit 2 as on the command
+line; a key that is no option is refused by name rather than ignored (a typo would silently keep a default).
+"""
+from __future__ import annotations
+
+import json
+
+import click
+import yaml
+
+MAX_BYTES = 1 << 20  # an operator's settings; anything larger is not one
+
+
+def load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> None:
+    """An eager option's callback: the file's settings become the defaults of the options parsed after it."""
+    if path is None:
+        return
+    settings = _read(path)
+    options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
+    defaults: dict[str, object] = {}
+    for key, value in settings.items():
+        name = str(key).replace("-", "_")
+        option = options.get(name)
+        if option is None or option is param or option.name == "help":
+            raise click.BadParameter(f"{path}: {key!r} is not an option of supervise", param=param)
+        defaults[name] = _as_option_takes(option, key, value, path, param)
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror}") from None
+    if len(raw) > MAX_BYTES:
+        raise click.BadParameter(f"{path}: over {MAX_BYTES >> 10} KiB, not a settings file")
+    try:
+        settings = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise click.BadParameter(f"{path}: not YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    if settings is None:
+        return {}
+    if not isinstance(settings, dict):
+        raise click.BadParameter(f"{path}: expected option: value pairs, found a {type(settings).__name__}")
+    return settings
+
+
+def _as_option_takes(option: click.Option, key, value, path: str, param: click.Parameter):
+    """The value as the command line would hand it over: a list for a repeatable option, JSON for a list or a
+    mapping given to an option that takes one string (vLLM's list options take JSON), the rest as they are."""
+    if option.multiple:
+        return value if isinstance(value, list) else [value]
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    if value is None:
+        raise click.BadParameter(f"{path}: {key!r} has no value", param=param)
+    return value
