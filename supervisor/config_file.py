@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import click
-import yaml
+import yaml  # type: ignore[import-untyped]
 
 MAX_BYTES = 1 << 20  # an operator's settings; anything larger is not one
 
