@@ -56,6 +56,7 @@ class RankLost:
     rank: int
     reason: str
     why: int
+    draining: bool = False  # its node said it was stopping: a planned leave, not a failure
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,7 @@ class Registry:
                 # (a drained node's leave was planned: not an error)
                 log.log(logging.WARNING if held.draining else logging.ERROR, "rank %d lost (node %s): %s", rank,
                         held.node_name, reason)
-                self._events.append(RankLost(rank, reason, why))
+                self._events.append(RankLost(rank, reason, why, held.draining))
 
     def _check_silence(self) -> None:
         now = time.monotonic()

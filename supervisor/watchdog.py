@@ -221,12 +221,15 @@ class Watchdog:
     def _on_rank_lost(self, event: RankLost) -> Outcome | None:
         """A headless node's rank is gone: its requests fail at once (503, or an error event in a stream). The
         group goes down like for any engine failure, or, with --on-engine-failure restart, serves on with the
-        ranks it has until the node registers again: the other ranks lose nothing."""
+        ranks it has until the node registers again: the other ranks lose nothing. A rank whose node was being
+        stopped (it drained first: `systemctl stop`, a node's upgrade) is no failure in either mode: taking the
+        group down for it would fail every request on the other ranks, which the drain exists to spare."""
         self.group.mark_engine_dead(event.rank, event.why)
         self.notifier.status(f"rank {event.rank} lost")
-        if self.config.on_engine_failure == "restart":
+        if self.config.on_engine_failure == "restart" or event.draining:
             live = [r for r in self.group.layout.served_ranks if not self.group.rank_is_down(r)]
-            log.warning("--on-engine-failure restart: serving on ranks %s until rank %d registers again",
+            why = "its node was stopped" if event.draining else "--on-engine-failure restart"
+            log.warning("%s: serving on ranks %s until rank %d registers again", why,
                         ", ".join(map(str, live)) or "(none)", event.rank)
             return None
         self._go_down_after_grace()

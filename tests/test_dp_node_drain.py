@@ -11,7 +11,7 @@ import httpx
 import psutil
 
 from ipc.registration import NodeDraining
-from tests.dp_support import SIM_MODEL, complete, deployment, raw_node_message, wait_for  # noqa: F401
+from tests.dp_support import SIM_MODEL, complete, deployment, dp_args, raw_node_message, wait_for  # noqa: F401
 from tests.load import BackgroundLoad
 
 
@@ -47,7 +47,10 @@ class Stream(threading.Thread):
 
 
 def test_a_stopped_node_finishes_its_streams_and_takes_no_new_work(deployment):
-    head, node, _ = deployment.head_and_node("--api-server-count", "2", "--on-engine-failure", "restart")
+    """With the default --on-engine-failure exit: a node stopped by its operator is no engine failure, the head
+    serves on with its other ranks (it went down, failing every request on them), and takes the rank back when
+    the node starts again (a node's upgrade without a failed request)."""
+    head, node, rpc = deployment.head_and_node("--api-server-count", "2")
     stream = Stream(head.url, 300)  # 3 s at 10 ms a step
     stream.start()
     assert stream.started.wait(30) and not stream.error, stream.error
@@ -78,7 +81,12 @@ def test_a_stopped_node_finishes_its_streams_and_takes_no_new_work(deployment):
     assert [c["finish_reason"] for e in stream.events for c in e.get("choices", []) if c["finish_reason"]] == ["length"]
     assert anywhere.failures == [], anywhere.failures  # no unpinned request was sent to the draining rank
     assert "the engines run nothing more" in node.log() and "its node left: stopped" in head.log()
-    assert head.proc.poll() is None
+    assert "its node was stopped: serving on ranks 0 until rank 1 registers again" in head.log()
+    assert head.proc.poll() is None and "taking the group down" not in head.log()
+    # The upgraded node starts again: rank 1 is back, pinned requests reach it.
+    deployment.node(*dp_args(2, rpc, "--data-parallel-start-rank", "1"))
+    wait_for(lambda: "rolling restart done" in head.log(), 30, "the head to take rank 1 back", head)
+    assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
 
 
 def test_a_second_sigterm_cuts_the_drain_short(deployment):
