@@ -256,8 +256,8 @@ class EngineClient:
         if engine in self.down:
             return
         self.down[engine] = reason
-        self.draining.pop(engine, None)
-        log.error("down: %s", reason)
+        planned = self.draining.pop(engine, None) is not None  # its node said it was stopping: no failure
+        log.log(logging.WARNING if planned else logging.ERROR, "down: %s", reason)
         error = EngineDeadError(reason)
         self._fail_streams(error, engine)
         for owner, future in self._calls.values():
