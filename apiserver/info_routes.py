@@ -15,7 +15,7 @@ from starlette.responses import HTMLResponse, Response
 from apiserver.context import ServerContext
 from apiserver.engine_errors import EngineDeadError
 from apiserver.errors import ModelNotFound, as_api_error, error_response
-from apiserver.middleware import api_key_of
+from apiserver.api_keys import api_keys_of
 from apiserver.openapi import DOCS_PAGE, openapi_schema, package_version
 
 UTILITY_TIMEOUT = 10.0
@@ -90,7 +90,7 @@ class InfoRoutes:
 
     async def openapi(self, request: Request) -> Response:
         if self._openapi is None:
-            self._openapi = orjson.dumps(openapi_schema(self.ctx.openapi_routes, bool(api_key_of(self.ctx.config))))
+            self._openapi = orjson.dumps(openapi_schema(self.ctx.openapi_routes, bool(api_keys_of(self.ctx.config))))
         return Response(self._openapi, media_type="application/json")
 
     async def docs(self, request: Request) -> Response:

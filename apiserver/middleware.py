@@ -6,8 +6,6 @@ nothing when they have nothing to do.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import importlib
 import inspect
 import logging
@@ -18,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.cors import CORSMiddleware
 
+from apiserver.api_keys import ApiKeys, api_keys_of
 from apiserver.errors import (REQUEST_ID_SCOPE_KEY, ApiError, LargeBodiesFull, RequestTooLarge, Unauthorized, error_body,
                               error_response)
 from apiserver.large_body_budget import LargeBodyBudget
@@ -140,11 +139,11 @@ class BodyLimitMiddleware:
 
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every route that reaches the model or its tokenizer. The keys are
-    compared as SHA-256 digests with hmac.compare_digest: constant time, whatever the lengths."""
+    compared as apiserver/api_keys.py says."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._keys = ApiKeys(api_keys)
         self._denied = orjson.dumps(
             error_body(Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"))
         )
@@ -167,7 +166,7 @@ class ApiKeyMiddleware:
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() != b"bearer":
                     return False
-                return hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)
+                return self._keys.match(token.strip())
         return False
 
 
@@ -211,8 +210,6 @@ def user_middleware(spec: str) -> Middleware:
     raise ValueError(f"--middleware {spec!r} is neither a class nor a function")
 
 
-def api_key_of(config: ServeConfig) -> str | None:
-    return config.api_key or os.environ.get("SUPERVISE_API_KEY") or None
 
 
 def middleware_stack(config: ServeConfig) -> list[Middleware]:
@@ -227,9 +224,9 @@ def middleware_stack(config: ServeConfig) -> list[Middleware]:
         ))
     stack.append(Middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
                             large_bodies=LargeBodyBudget(config.max_large_request_bodies_mb)))
-    api_key = api_key_of(config)
-    if api_key:
-        stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    api_keys = api_keys_of(config)
+    if api_keys:
+        stack.append(Middleware(ApiKeyMiddleware, api_keys=api_keys))
     if config.enable_request_id_headers:
         stack.append(Middleware(RequestIdMiddleware))
     stack += [user_middleware(spec) for spec in config.middleware]

@@ -57,7 +57,7 @@ class ServeConfig:
     log_stats_interval: float = 10.0
 
     # API servers.
-    api_key: str | None = None
+    api_key: tuple[str, ...] = ()  # any of them is accepted (apiserver/api_keys.py)
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)

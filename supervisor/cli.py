@@ -62,6 +62,13 @@ except BaseException as exc:
 """
 
 
+def _api_keys(click_context, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    for key in value:
+        if not key or key != key.strip() or any(c.isspace() for c in key) or not key.isprintable():
+            raise click.BadParameter("a key is one word of printable characters (a client sends it in a header)")
+    return value
+
+
 def _paths(click_context, param, value: str) -> tuple[str, ...]:
     paths = tuple(path.strip() for path in value.split(",") if path.strip())
     for path in paths:
@@ -260,8 +267,10 @@ def _positive(click_context, param, value):
               help="Seconds between each engine's line of activity in the log while it works: steps (and how many "
                    "ran from CUDA graphs), ms a step, prompt and generated tokens/s, running and waiting "
                    "requests, KV cache use. 0: no such lines.")
-@click.option("--api-key", default=None, envvar="SUPERVISE_API_KEY", show_envvar=True,
-              help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer.")
+@click.option("--api-key", multiple=True, envvar="SUPERVISE_API_KEY", show_envvar=True, callback=_api_keys,
+              help="Require `Authorization: Bearer <key>` on every route that reaches the model or its tokenizer. "
+                   "Repeat it to accept several keys (a rotation: old and new at once); the environment variable "
+                   "takes them separated by spaces.")
 @click.option("--allowed-origins", default="[]", show_default=True, callback=_list_option,
               help='CORS: allowed origins, a JSON list or comma-separated ("*": any). Default: none.')
 @click.option("--allowed-methods", default='["*"]', show_default=True, callback=_list_option,

@@ -8,6 +8,7 @@ from tests.supervise_process import Supervise
 
 MODEL = "sim:2"
 KEY = "s3cret-key"
+OLD_KEY = "the-key-being-rotated-out"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -37,7 +38,7 @@ async def stamp_function(request, call_next):
 @pytest.fixture(scope="module")
 def guarded():
     with Supervise(
-        "--model", MODEL, "--api-key", KEY, "--allowed-origins", '["https://app.example"]',
+        "--model", MODEL, "--api-key", KEY, "--api-key", OLD_KEY, "--allowed-origins", '["https://app.example"]',
         "--enable-request-id-headers",
         "--middleware", "tests.test_api_middleware:StampMiddleware",
         "--middleware", "tests.test_api_middleware:stamp_function",
@@ -65,6 +66,7 @@ def test_api_key_guards_the_model_and_tokenizer(guarded, method, path, body):
         assert response.status_code == 401, (headers, response.text)
         assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.request(method, url, json=body, headers=auth(), timeout=30).status_code == 200
+    assert httpx.request(method, url, json=body, headers=auth(OLD_KEY), timeout=30).status_code == 200  # either
 
 
 @pytest.mark.parametrize("path", ["/health", "/ping", "/metrics", "/version", "/openapi.json", "/docs"])
@@ -135,8 +137,10 @@ def test_user_middleware_class_and_function(guarded):
 
 
 def test_api_key_from_the_environment_and_no_cors_by_default(start_supervise):
-    group = start_supervise("--model", MODEL, env={"SUPERVISE_API_KEY": KEY})
+    group = start_supervise("--model", MODEL, env={"SUPERVISE_API_KEY": f"{KEY} {OLD_KEY}"})  # two, as a rotation
     assert httpx.get(group.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(group.url + "/v1/models", headers=auth(OLD_KEY), timeout=10).status_code == 200
+    assert httpx.get(group.url + "/v1/models", headers=auth(f"{KEY} {OLD_KEY}"), timeout=10).status_code == 401
     response = httpx.get(group.url + "/v1/models", headers={"Origin": "https://app.example", **auth()}, timeout=10)
     assert response.status_code == 200
     assert "access-control-allow-origin" not in response.headers

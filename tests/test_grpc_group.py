@@ -37,8 +37,12 @@ def test_a_busy_port_is_refused_at_once():
 
 
 def test_api_key_metadata_and_group_wide_admission():
-    with GrpcSupervise("--model", "sim:10", "--api-key", "sekrit", "--max-num-queued-reqs", "1") as server:
+    with GrpcSupervise("--model", "sim:10", "--api-key", "old-key", "--api-key", "sekrit", "--max-num-queued-reqs",
+                       "1") as server:
         stub = server.stub()
+        # Either key (a rotation under way) is taken.
+        (done,) = stub.Generate(generate_request([1, 2], max_tokens=1), metadata=(("authorization", "Bearer old-key"),))
+        assert done.complete.finish_reason == "length"
         for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekrit"),)):
             for call in (lambda: stub.Generate(generate_request([1, 2], max_tokens=1), metadata=metadata),
                          lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)):

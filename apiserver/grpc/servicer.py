@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
-import os
 import time
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
+from apiserver.api_keys import ApiKeys, api_keys_of
 from apiserver.context import ServerContext
 from apiserver.engine_errors import EngineDeadError
 from apiserver.grpc.generate import RunningRequests, generate
@@ -37,8 +35,7 @@ class VllmEngineService:
         self.ctx = ctx
         self.running = RunningRequests()
         self.started = time.time()
-        key = ctx.config.api_key or os.environ.get("SUPERVISE_API_KEY")
-        self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self._api_keys = ApiKeys(api_keys_of(ctx.config))
         self._model_info = model_info(ctx)
         self._tokenizer = TokenizerBundle(ctx.model.model_dir)
 
@@ -120,13 +117,12 @@ class VllmEngineService:
 
     # The steps every call shares.
     def authorized(self, metadata: dict) -> bool:
-        """The key is compared as SHA-256 digests in constant time, as the HTTP API does."""
-        if self._key_digest is None:
+        """The keys are compared as the HTTP API compares them (apiserver/api_keys.py)."""
+        if not self._api_keys:
             return True
         value = metadata.get("authorization", "")
         scheme, _, token = value.partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._key_digest)
+        return scheme.lower() == "bearer" and self._api_keys.match(token.strip().encode())
 
     def _check_engine(self) -> None:
         reason = self.ctx.engine_dead_reason()
