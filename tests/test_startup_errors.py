@@ -150,6 +150,10 @@ def test_a_corrupt_model_file_is_one_line_and_exit_code_2(tmp_path, broken, cont
     (("--async-scheduling=yes",), "--async-scheduling"),
     (("--cuda-graph-max-tokens", "-8"), "--cuda-graph-max-tokens"),
     (("--attention-backend", "xformers"), "--attention-backend"),
+    (("--api-key", ""), "--api-key"),  # `--api-key "$KEY"` with KEY unset: not "no key"
+    (("--api-key", "two words"), "--api-key"),
+    (("--disable-access-log-for-endpoints", "/health"), "--disable-access-log-for-endpoints goes with --access-log"),
+    (("--access-log", "--disable-access-log-for-endpoints", "health"), "--disable-access-log-for-endpoints"),
 ])
 def test_bad_option_values_are_refused_before_anything_starts(args, flag):
     result = run_supervise(*args, timeout=30)
