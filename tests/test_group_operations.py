@@ -63,6 +63,24 @@ def test_every_log_line_names_its_process(start_supervise):
     assert untagged == []
 
 
+def test_a_server_frozen_while_it_drains_is_killed_by_its_heartbeat(start_supervise):
+    """SIGSTOP then SIGTTOU (or a SIGHUP's roll): the draining server was left out of the heartbeat check, and held
+    its requests, admission slots and copy of the port for as long as it stayed frozen; the group's stop then
+    waited --shutdown-timeout for it."""
+    server = start_supervise(*SIM, "--api-server-count", "2", "--heartbeat-timeout", "2")
+    (frozen,) = [c for c in server.children() if title_of(c) == "supervise: ApiServer_1"]
+    frozen.suspend()
+    server.signal(signal.SIGTTOU)  # drains the highest index: the frozen one
+    wait_for(lambda: "ApiServer_1 has not beaten for" in server.log(), 10, "the heartbeat check", server)
+    assert wait_gone([frozen], 5) == []
+    assert "while it drained: killing it" in server.log()
+    assert httpx.post(f"{server.base_url}/completions",
+                      json={"model": model_of(server), "prompt": "a", "max_tokens": 2}).status_code == 200
+    started = time.monotonic()
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(20) == 0 and time.monotonic() - started < 10
+
+
 def test_engine_failure_restart_keeps_the_port_serves_again_and_gives_up_past_its_budget(start_supervise):
     server = start_supervise(*SIM, "--on-engine-failure", "restart", "--max-engine-restarts", "1")
     model = model_of(server)

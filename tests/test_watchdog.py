@@ -209,6 +209,24 @@ def test_a_silent_server_is_killed_once_and_its_death_says_why(setup, caplog):
     assert "perhaps out of memory" not in caplog.text
 
 
+def test_a_draining_server_that_falls_silent_is_killed_too(setup, caplog):
+    """Frozen mid-drain (a rolling restart's, SIGTTOU's), a server held its requests, its admission slots and its
+    copy of the port until it was resumed: the heartbeat check looked at the serving servers only."""
+    watchdog, group, clock, timers, _ = setup(heartbeat_timeout=10)
+    caplog.set_level(logging.INFO, logger="supervisor.watchdog")
+    watchdog.handle(SignalArrived(signal.SIGTTOU))
+    (frozen,) = group.draining
+    for _ in range(15):
+        clock.now += 1.0
+        group.last_beat[0] = clock.now
+        fire_due_timers(watchdog, timers)
+    assert [call for call in group.calls if call[0] == "kill"] == [
+        ("kill", 1, "its event loop was silent for 11.0 s (--heartbeat-timeout)")]
+    assert "ApiServer_1 has not beaten for 11.0 s, while it drained: killing it" in caplog.text
+    watchdog.handle(group.dies(frozen))
+    assert not any(call[0] == "spawn" for call in group.calls)  # its successor serves already
+
+
 def test_a_server_killed_by_someone_else_may_have_run_out_of_memory(setup, caplog):
     watchdog, group, _, _, _ = setup()
     caplog.set_level(logging.INFO, logger="supervisor.watchdog")
