@@ -160,6 +160,13 @@ class Generation:
         return self._unfinished == 0
 
     @property
+    def unfinished_reason(self) -> str:
+        """What /metrics counts a choice that did not finish as: `error` when the server ended the request (an
+        engine gone, the stop's deadline), `abort` when its client did."""
+        stream = self._stream
+        return FinishReason.ERROR if stream is not None and stream.ended_by_the_server else FinishReason.ABORT
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 

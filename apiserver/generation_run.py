@@ -75,6 +75,7 @@ class GenerationRun:
             return
         self._admitted = False
         ctx, generation = self._ctx, self._generation
+        unfinished = generation.unfinished_reason  # (before close, which lets go of the stream that says it)
         try:
             self._watcher.cancel()
             generation.close()
@@ -84,7 +85,7 @@ class GenerationRun:
                 ctx.server_load -= 1
             first = generation.first_output_at
             ctx.metrics.finished(
-                [c.finish_reason or "abort" for c in generation.choices],
+                [c.finish_reason or unfinished for c in generation.choices],
                 generation.num_prompt_tokens,
                 generation.num_completion_tokens,
                 time.monotonic() - generation.arrival,

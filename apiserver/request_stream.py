@@ -11,6 +11,8 @@ import asyncio
 import logging
 from typing import Callable
 
+from apiserver.engine_errors import RequestAborted
+
 log = logging.getLogger(__name__)
 
 # What a decoded RequestOutput holds in memory, in bytes (tracemalloc over a decoded OUTPUTS message of 1,000
@@ -147,6 +149,13 @@ class RequestStream:
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._wake()
+
+    @property
+    def ended_by_the_server(self) -> bool:
+        """Whether it failed for the server's reasons (an engine gone, the stop's deadline, its backlog), not
+        because its client went away or asked to stop it: /metrics counts such a request's unfinished choices
+        as `error`, not `abort`."""
+        return self._error is not None and not isinstance(self._error, RequestAborted)
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -94,10 +94,20 @@ def test_with_restart_the_head_serves_on_and_takes_the_rank_back(deployment):
     head, node, rpc = deployment.head_and_node("--api-server-count", "2", "--on-engine-failure", "restart")
     pinned = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30, headers={"X-data-parallel-rank": "0"})
     anywhere = BackgroundLoad(head.url, SIM_MODEL, clients=2, max_tokens=30)
-    with pinned, anywhere:
+    # A stream held on rank 1 when its node dies: it fails with an error event, and /metrics counts it as the
+    # server's `error`, not as an `abort` (a client that hung up).
+    held = httpx.stream("POST", f"{head.url}/v1/completions", headers={"X-data-parallel-rank": "1"}, timeout=60,
+                        json={"model": SIM_MODEL, "prompt": "x", "max_tokens": 5000, "ignore_eos": True,
+                              "stream": True})
+    with pinned, anywhere, held as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
         anywhere.wait_for(4)
+        errors_before = finished_as(head.url, "error")
         node.proc.send_signal(signal.SIGKILL)
         wait_for(lambda: "serving on ranks 0 until rank 1 registers again" in head.log(), 10, "the loss", head)
+        assert any('"error"' in line for line in lines)
+        wait_for(lambda: finished_as(head.url, "error") > errors_before, 10, "the failed stream counted", head)
         r = complete(head.url, {"X-data-parallel-rank": "1"})
         assert r.status_code == 503 and "rank 1 is down" in r.json()["error"]["message"], r.text
         assert httpx.get(f"{head.url}/health", timeout=5).status_code == 200  # it still serves
@@ -194,3 +204,11 @@ def test_a_restarted_head_finds_the_node_loaded_and_a_node_without_head_waits_an
 def _rank_stats(url: str, rank: int, ok) -> dict | None:
     engine = httpx.get(f"{url}/server_info", timeout=5).json()["engines"][rank]
     return engine if ok(engine) else None
+
+
+def finished_as(url: str, reason: str) -> int:
+    """The group's supervise_request_success_total for `reason` (summed over every API server)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("supervise_request_success_total{") and f'finished_reason="{reason}"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"no supervise_request_success_total for {reason}")

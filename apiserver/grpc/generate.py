@@ -92,8 +92,9 @@ async def generate(ctx: ServerContext, call: GenerateInput, running: RunningRequ
         if stream is not None:
             running.remove(call.request_id, stream)
             ctx.engine.release(stream)  # aborts in the engine whatever did not finish there
+            unfinished = FinishReason.ERROR if stream.ended_by_the_server else FinishReason.ABORT
             ctx.metrics.finished(
-                [s.finish_reason or FinishReason.ABORT for s in builder.samples], num_prompt,
+                [s.finish_reason or unfinished for s in builder.samples], num_prompt,
                 sum(len(s.token_ids) for s in builder.samples), time.monotonic() - arrival,
                 None if first_output_at is None else first_output_at - arrival,
             )
