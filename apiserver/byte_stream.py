@@ -100,10 +100,8 @@ class ByteLevelStream:
         """`context`: the end of the prompt. Its bytes matter only where they end inside a character: the first
         tokens generated complete it, and the whole character is their text."""
         self._table = table
-        self._size = size = len(table)
-        context_bytes = b"".join(table[i] for i in context or () if 0 <= i < size)
-        # (Most prompts end in ASCII, a chat's always: nothing incomplete, no decoder to make.)
-        self._pending = _incomplete_tail(context_bytes) if context_bytes and context_bytes[-1] >= 0x80 else b""
+        self._size = len(table)
+        self._pending = unfinished_character(table, context or [])
 
     def step(self, tokenizer, token_id: int) -> str | None:
         """The text this token completes, or None while there is none yet (`tokenizer`: DecodeStream's
@@ -115,6 +113,14 @@ class ByteLevelStream:
             return None
         self._pending = b""
         return text
+
+
+def unfinished_character(table: list[bytes], token_ids: list[int]) -> bytes:
+    """The bytes at the end of these tokens' text that begin a character and do not finish it (b"" if none)."""
+    size = len(table)
+    data = b"".join(table[i] for i in token_ids if 0 <= i < size)
+    # (Most prompts end in ASCII, a chat's always: nothing incomplete, no decoder to make.)
+    return _incomplete_tail(data) if data and data[-1] >= 0x80 else b""
 
 
 def _incomplete_tail(data: bytes) -> bytes:

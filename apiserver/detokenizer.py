@@ -17,11 +17,21 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from apiserver.byte_stream import ByteLevelStream, byte_tables
+from apiserver.byte_stream import ByteLevelStream, byte_tables, unfinished_character
 from apiserver.stop_strings import NO_STOP_STRINGS, StopStrings
 
 # How much of the prompt primes the decoder: enough for the context a token's decoding depends on.
 PROMPT_CONTEXT_TOKENS = 4
+
+
+def generated_text_completes_the_prompt(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> bool:
+    """Whether the prompt's text ends inside a character, which the generated text then begins with whole (its
+    first bytes are the prompt's: the decoder holds them as its context). Where so, an echoed prompt must end
+    before that character, or it would be in the answer twice (once as U+FFFD). Known for byte-level tokenizers;
+    False for the others."""
+    tables = byte_tables(tokenizer)
+    return tables is not None and bool(unfinished_character(tables.of(False),
+                                                            prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]))
 
 
 class IncrementalDetokenizer:

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from apiserver.chunks import ChunkWriterBase, chunk_head
 from apiserver.errors import InvalidRequest
+from apiserver.detokenizer import generated_text_completes_the_prompt
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
 from apiserver.prompt_offload import decode, encode
@@ -96,7 +97,8 @@ class CompletionServing(GenerationServing):
             ctx.renderer.tokenizer, self.data_parallel_rank(request, req.data_parallel_rank), grammar_param=grammar_param,
             eos_token_ids=ctx.model.eos_token_ids,
         )
-        echoes = [await self._echo_text(p, t) for p, t in zip(prompts, texts)] if req.echo else None
+        generates = req.max_tokens != 0
+        echoes = [await self._echo_text(p, t, generates) for p, t in zip(prompts, texts)] if req.echo else None
         response_id = "cmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
@@ -106,8 +108,17 @@ class CompletionServing(GenerationServing):
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, echoes),
         )
 
-    async def _echo_text(self, prompt_ids: list[int], text: str | None) -> str:
-        return text if text is not None else await decode(self.ctx.renderer, prompt_ids, skip_special_tokens=False)
+    async def _echo_text(self, prompt_ids: list[int], text: str | None, generates: bool) -> str:
+        """The prompt as its client sent it; or, sent as token ids, their text, less a character they end inside
+        of when tokens follow: the generated text begins with it whole (detokenizer.py), and the echo and the
+        answer together are then the text of prompt and answer as one."""
+        if text is not None:
+            return text
+        echo = await decode(self.ctx.renderer, prompt_ids, skip_special_tokens=False)
+        if generates and echo.endswith("\ufffd") and generated_text_completes_the_prompt(self.ctx.renderer.tokenizer,
+                                                                                           prompt_ids):
+            return echo[:-1]
+        return echo
 
     def whole_body(self, generation: Generation, deltas: list[Delta], response_id: str, created: int, top_n: int,
                    echoes) -> dict:

@@ -130,6 +130,27 @@ def test_echo_with_max_tokens_zero_returns_just_the_prompt(served, client, model
     assert longer.tokens[-1] == " Paris" and longer.token_logprobs[-1] > -5  # the model knows it
 
 
+def test_an_echoed_token_id_prompt_that_ends_inside_a_character_is_not_in_the_answer_twice(served, client, model):
+    """Token ids that end within a character (lm-evaluation-harness cuts prompts by tokens): the generated text
+    begins with that character whole, and the echo held it too, as U+FFFD: '東\ufffd京'. The echo now ends before
+    it when tokens follow; with max_tokens 0 it is the ids' own text."""
+    ids = _prompt_ids(served, "Repeat: 🙂 naïve 東京 東京")
+
+    def text_of(token_ids):
+        return httpx.post(f"{served.url}/detokenize", json={"tokens": token_ids}, timeout=60).json()["prompt"]
+
+    cut = next(k for k in range(len(ids) - 1, 0, -1) if text_of(ids[:k]).endswith("\ufffd"))
+    prompt = ids[:cut]
+    whole = text_of(prompt)
+    args = dict(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    answer = client.completions.create(**args).choices[0].text
+    echoed = client.completions.create(**args, echo=True).choices[0].text
+    streamed = "".join(e.choices[0].text for e in client.completions.create(**args, echo=True, stream=True)
+                       if e.choices)
+    assert echoed == streamed == whole[:-1] + answer, (whole, answer, echoed)
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True).choices[0].text == whole
+
+
 def test_streamed_echo_with_logprobs_equals_the_whole_reply(client, model):
     args = dict(model=model, prompt=FRANCE, echo=True, logprobs=2, max_tokens=3, temperature=0)
     whole = client.completions.create(**args).choices[0]
