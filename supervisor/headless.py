@@ -55,6 +55,7 @@ WAITING_LOG_EVERY = 15.0  # seconds between "the head does not answer" lines, th
 CONNECT_AGAIN_AFTER = 5.0
 _MECHANISM_MISMATCH = 0x11000002  # ZMQ's protocol error code (a handshake failure's value) for it
 _BEAT = "beat"
+OWN_PAUSE_BEATS = 4  # a beat this many beats late: the supervisor itself did not run meanwhile
 _DRAIN_POLL = "drain-poll"
 
 
@@ -207,6 +208,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
     beat = config.engine_ping_interval / BEATS_PER_INTERVAL
     timers = events.timers
     timers.set(_BEAT, 0)
+    last_beat = time.monotonic()
     last_waiting_line = -WAITING_LOG_EVERY  # the first line as soon as the head is silent
     drain: NodeDrain | None = None  # told to stop: the ranks finish their requests first
     liveness = EngineLiveness(config.engine_ping_interval)
@@ -249,6 +251,7 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                 elif event.detail != link.head_id:
                     _on_new_head(group, link, event.detail, notifier)
             if isinstance(event, TimerFired) and event.key == _BEAT:
+                last_beat = _own_pause(link, last_beat, beat)
                 if drain is None:
                     link.hello()
                 else:
@@ -266,6 +269,19 @@ def _run(config: ServeConfig, group: ProcessGroup, link: HeadLink, events: Event
                     log.warning("no answer from the head at %s for %.0f s: the engines stay loaded, waiting for it "
                                 "(%s)", link.head, silent, why)
                     notifier.status("waiting for the head")
+
+
+def _own_pause(link: HeadLink, last_beat: float, beat: float) -> float:
+    """This supervisor did not run for a while (SIGSTOP, a suspended VM, a starved CPU): no beat went out, so no
+    answer came, and that silence is its own, not the head's. Told as such, and left out of the head's silence
+    (a draining node took it for a head gone and left with its requests unfinished). The beat's time, now."""
+    now = time.monotonic()
+    gap = now - last_beat
+    if gap > OWN_PAUSE_BEATS * beat:
+        log.warning("this node's supervisor did not run for %.1f s (stopped, or starved of CPU): no heartbeat went to "
+                    "the head meanwhile, which may have taken its ranks for lost; they register again now", gap)
+        link.last_answer = min(now, link.last_answer + gap - beat)
+    return now
 
 
 def _start_drain(config: ServeConfig, group: ProcessGroup, link: HeadLink, notifier: SystemdNotifier,

@@ -206,6 +206,21 @@ def _rank_stats(url: str, rank: int, ok) -> dict | None:
     return engine if ok(engine) else None
 
 
+def test_a_node_whose_own_supervisor_was_stopped_does_not_blame_the_head(deployment):
+    """SIGSTOP to the node's supervisor (a suspended VM, a starved CPU): on resume it said "no answer from the head
+    for 3 s", the head being fine; a draining node left with its requests unfinished for it. Its log now says that
+    it did not run itself, and it registers again with the head (which took its rank for lost meanwhile)."""
+    head, node, _ = deployment.head_and_node("--on-engine-failure", "restart")
+    node.proc.send_signal(signal.SIGSTOP)
+    wait_for(lambda: "rank 1 lost" in head.log(), 10, "the head to miss the node", head)
+    time.sleep(1)
+    node.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: "rolling restart done" in head.log(), 30, "the head to take rank 1 back", head)
+    assert "this node's supervisor did not run for" in node.log()
+    assert "no answer from the head" not in node.log(), node.log()[-2000:]
+    assert complete(head.url, {"X-data-parallel-rank": "1"}).status_code == 200
+
+
 def finished_as(url: str, reason: str) -> int:
     """The group's supervise_request_success_total for `reason` (summed over every API server)."""
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
