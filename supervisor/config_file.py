@@ -32,7 +32,7 @@ def load_config_file(ctx: click.Context, param: click.Parameter, path: str | Non
     for key, value in settings.items():
         name = str(key).replace("-", "_")
         option = options.get(name)
-        if option is None or option is param or option.name == "help":
+        if option is None or option is param:
             raise click.BadParameter(f"{path}: {key!r} is not an option of supervise", param=param)
         defaults[name] = _as_option_takes(option, key, value, path, param)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
@@ -63,9 +63,21 @@ def _as_option_takes(option: click.Option, key, value, path: str, param: click.P
     """The value as the command line would hand it over: a list for a repeatable option, JSON for a list or a
     mapping given to an option that takes one string (vLLM's list options take JSON), the rest as they are."""
     if option.multiple:
-        return value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            _check_text(option, key, item, path, param)
+        return values
     if isinstance(value, (list, dict)):
         return json.dumps(value)
     if value is None:
         raise click.BadParameter(f"{path}: {key!r} has no value", param=param)
+    _check_text(option, key, value, path, param)
     return value
+
+
+def _check_text(option: click.Option, key, value, path: str, param: click.Parameter) -> None:
+    """An option that takes text must be given text: YAML reads `api-key: 0123` as the number 83 and `yes` as
+    true, which would reach the option as "83" and "True" without a word."""
+    if isinstance(option.type, click.types.StringParamType) and not isinstance(value, str):
+        raise click.BadParameter(f"{path}: {key!r} takes text, and YAML reads {value!r} as {type(value).__name__}: "
+                                 f"put it in quotes", param=param)

@@ -18,7 +18,10 @@ from tests.supervise_process import SUPERVISE, Supervise, title_of
     ("config: other.yaml\n", "'config' is not an option"),
     ("grpc: true\nenable-server-load-tracking: true\n", "--enable-server-load-tracking applies to the HTTP API"),
     ("a" * (1 << 20) + ": 1\n", "not a settings file"),
-], ids=["typo", "not-yaml", "bad-value", "a-list", "no-value", "nested-config", "conflict", "huge"])
+    ("api-key: 0123\n", "'api-key' takes text, and YAML reads 83 as int: put it in quotes"),
+    ("served-model-name: yes\n", "reads True as bool"),
+], ids=["typo", "not-yaml", "bad-value", "a-list", "no-value", "nested-config", "conflict", "huge", "octal-key",
+        "yes-name"])
 def test_a_settings_file_with_a_mistake_is_one_line_before_anything_starts(tmp_path, text, words):
     path = tmp_path / "supervise.yaml"
     path.write_text(text)
