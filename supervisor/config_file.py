@@ -34,6 +34,8 @@ def load_config_file(ctx: click.Context, param: click.Parameter, path: str | Non
         option = options.get(name)
         if option is None or option is param:
             raise click.BadParameter(f"{path}: {key!r} is not an option of supervise", param=param)
+        if name in defaults:
+            raise click.BadParameter(f"{path}: {key!r} is given twice (with dashes and with underscores)", param=param)
         defaults[name] = _as_option_takes(option, key, value, path, param)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
 
@@ -47,16 +49,31 @@ def _read(path: str) -> dict:
     if len(raw) > MAX_BYTES:
         raise click.BadParameter(f"{path}: over {MAX_BYTES >> 10} KiB, not a settings file")
     try:
-        settings = yaml.safe_load(raw)
+        settings = yaml.load(raw, Loader=_SafeLoaderOfUniqueKeys)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
-        at = f" (line {where.line + 1})" if where is not None else ""
-        raise click.BadParameter(f"{path}: not YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+        at = f", line {where.line + 1}" if where is not None else ""
+        # (A constructor's error is YAML that reads, with a key twice or a tag that builds an object.)
+        what = "" if isinstance(exc, yaml.constructor.ConstructorError) else ": not YAML"
+        raise click.BadParameter(f"{path}{at}{what}: {getattr(exc, 'problem', None) or exc}") from None
     if settings is None:
         return {}
     if not isinstance(settings, dict):
         raise click.BadParameter(f"{path}: expected option: value pairs, found a {type(settings).__name__}")
     return settings
+
+
+class _SafeLoaderOfUniqueKeys(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice (which it would take the last of without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: list = []
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.append(key)
+        return super().construct_mapping(node, deep)
 
 
 def _as_option_takes(option: click.Option, key, value, path: str, param: click.Parameter):

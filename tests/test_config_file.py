@@ -11,7 +11,7 @@ from tests.supervise_process import SUPERVISE, Supervise, title_of
 
 @pytest.mark.parametrize("text, words", [
     ("modle: sim:10\n", "'modle' is not an option of supervise"),
-    ("port: [1\n", "not YAML (line 2)"),
+    ("port: [1\n", "supervise.yaml, line 2: not YAML"),
     ("max-num-seqs: abc\n", "Invalid value for '--max-num-seqs': 'abc'"),
     ("- model\n- sim:10\n", "expected option: value pairs, found a list"),
     ("max-num-seqs:\n", "'max-num-seqs' has no value"),
@@ -20,8 +20,10 @@ from tests.supervise_process import SUPERVISE, Supervise, title_of
     ("a" * (1 << 20) + ": 1\n", "not a settings file"),
     ("api-key: 0123\n", "'api-key' takes text, and YAML reads 83 as int: put it in quotes"),
     ("served-model-name: yes\n", "reads True as bool"),
+    ("port: 1\nport: 2\n", "'port' is given twice"),
+    ("max-num-seqs: 1\nmax_num_seqs: 2\n", "'max_num_seqs' is given twice (with dashes and with underscores)"),
 ], ids=["typo", "not-yaml", "bad-value", "a-list", "no-value", "nested-config", "conflict", "huge", "octal-key",
-        "yes-name"])
+        "yes-name", "twice", "twice-spelled"])
 def test_a_settings_file_with_a_mistake_is_one_line_before_anything_starts(tmp_path, text, words):
     path = tmp_path / "supervise.yaml"
     path.write_text(text)
