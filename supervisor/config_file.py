@@ -15,6 +15,8 @@ line; a key that is no option is refused by name rather than ignored (a typo wou
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import click
 import yaml  # type: ignore[import-untyped]
@@ -42,6 +44,8 @@ def load_config_file(ctx: click.Context, param: click.Parameter, path: str | Non
 
 def _read(path: str) -> dict:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would hang the start, /dev/zero fill it
+            raise click.BadParameter(f"{path}: not a regular file")
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)
     except OSError as exc:
@@ -78,23 +82,34 @@ class _SafeLoaderOfUniqueKeys(yaml.SafeLoader):
 
 def _as_option_takes(option: click.Option, key, value, path: str, param: click.Parameter):
     """The value as the command line would hand it over: a list for a repeatable option, JSON for a list or a
-    mapping given to an option that takes one string (vLLM's list options take JSON), the rest as they are."""
+    mapping given to an option that takes text (vLLM's list options take JSON), the rest as they are, once each
+    value is of a kind the option takes."""
     if option.multiple:
         values = value if isinstance(value, list) else [value]
         for item in values:
-            _check_text(option, key, item, path, param)
+            _check_kind(option, key, item, path, param)
         return values
-    if isinstance(value, (list, dict)):
+    if isinstance(value, (list, dict)) and isinstance(option.type, click.types.StringParamType):
         return json.dumps(value)
-    if value is None:
-        raise click.BadParameter(f"{path}: {key!r} has no value", param=param)
-    _check_text(option, key, value, path, param)
+    _check_kind(option, key, value, path, param)
     return value
 
 
-def _check_text(option: click.Option, key, value, path: str, param: click.Parameter) -> None:
-    """An option that takes text must be given text: YAML reads `api-key: 0123` as the number 83 and `yes` as
-    true, which would reach the option as "83" and "True" without a word."""
-    if isinstance(option.type, click.types.StringParamType) and not isinstance(value, str):
-        raise click.BadParameter(f"{path}: {key!r} takes text, and YAML reads {value!r} as {type(value).__name__}: "
-                                 f"put it in quotes", param=param)
+def _check_kind(option: click.Option, key, value, path: str, param: click.Parameter) -> None:
+    """A value of the kind the option takes (text is always one: the option then reads it as from the command
+    line). The option's own conversion would take others without a word, or fail with a traceback: YAML reads
+    `api-key: 0123` as the number 83, `yes` as true, and click makes 1.5 servers one and chokes on a switch of 1."""
+    kind = option.type
+    if isinstance(value, str):
+        return
+    if isinstance(kind, click.types.BoolParamType):
+        ok, wanted = isinstance(value, bool), "true or false"
+    elif isinstance(kind, click.types.IntParamType):
+        ok, wanted = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif isinstance(kind, click.types.FloatParamType):
+        ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    else:
+        ok, wanted = False, "text: put it in quotes"
+    if not ok:
+        shown = "nothing" if value is None else f"{value!r} ({type(value).__name__})"
+        raise click.BadParameter(f"{path}: {key!r} takes {wanted}, and YAML reads {shown} here", param=param)

@@ -1,6 +1,7 @@
 """--config FILE: the options of a service's settings file (YAML, vLLM's --config), the command line winning over
 it. A file with a mistake is one line and exit 2 before anything starts, as a bad option is: a typo in a key is
 named, not ignored (it would silently keep a default)."""
+import os
 import subprocess
 
 import httpx
@@ -14,16 +15,19 @@ from tests.supervise_process import SUPERVISE, Supervise, title_of
     ("port: [1\n", "supervise.yaml, line 2: not YAML"),
     ("max-num-seqs: abc\n", "Invalid value for '--max-num-seqs': 'abc'"),
     ("- model\n- sim:10\n", "expected option: value pairs, found a list"),
-    ("max-num-seqs:\n", "'max-num-seqs' has no value"),
+    ("max-num-seqs:\n", "'max-num-seqs' takes a whole number, and YAML reads nothing here"),
     ("config: other.yaml\n", "'config' is not an option"),
     ("grpc: true\nenable-server-load-tracking: true\n", "--enable-server-load-tracking applies to the HTTP API"),
     ("a" * (1 << 20) + ": 1\n", "not a settings file"),
-    ("api-key: 0123\n", "'api-key' takes text, and YAML reads 83 as int: put it in quotes"),
-    ("served-model-name: yes\n", "reads True as bool"),
+    ("api-key: 0123\n", "'api-key' takes text: put it in quotes, and YAML reads 83 (int) here"),
+    ("served-model-name: yes\n", "YAML reads True (bool) here"),
+    ("api-server-count: 1.5\n", "'api-server-count' takes a whole number, and YAML reads 1.5 (float) here"),
+    ("access-log: 1\n", "'access-log' takes true or false"),
+    ("port: [8000, 8001]\n", "'port' takes a whole number, and YAML reads [8000, 8001] (list) here"),
     ("port: 1\nport: 2\n", "'port' is given twice"),
     ("max-num-seqs: 1\nmax_num_seqs: 2\n", "'max_num_seqs' is given twice (with dashes and with underscores)"),
 ], ids=["typo", "not-yaml", "bad-value", "a-list", "no-value", "nested-config", "conflict", "huge", "octal-key",
-        "yes-name", "twice", "twice-spelled"])
+        "yes-name", "float-count", "int-switch", "list-port", "twice", "twice-spelled"])
 def test_a_settings_file_with_a_mistake_is_one_line_before_anything_starts(tmp_path, text, words):
     path = tmp_path / "supervise.yaml"
     path.write_text(text)
@@ -34,10 +38,15 @@ def test_a_settings_file_with_a_mistake_is_one_line_before_anything_starts(tmp_p
     assert "started" not in result.stderr
 
 
-def test_a_missing_settings_file_is_named():
+def test_a_missing_settings_file_is_named(tmp_path):
     result = subprocess.run([SUPERVISE, "--config", "/nonexistent/supervise.yaml"], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2 and "/nonexistent/supervise.yaml: No such file or directory" in result.stderr
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opened, it would wait for a writer: the start hung
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        result = subprocess.run([SUPERVISE, "--config", path], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and f"{path}: not a regular file" in result.stderr, result.stderr
 
 
 def test_a_group_serves_as_its_settings_file_says_and_the_command_line_wins(tmp_path):
