@@ -49,7 +49,8 @@ def _client(scope) -> str:
 
 
 def _target(scope) -> str:
-    """The path and query as sent (no byte of it a line break: HTTP's parser refuses those)."""
+    """The path and query as sent (no byte of it a line break: HTTP's parser refuses those), a `"` escaped as %22
+    so that the quoted request line ends where it seems to."""
     path = scope.get("raw_path") or scope["path"].encode()
     query = scope.get("query_string")
-    return (path + b"?" + query if query else path).decode("latin-1")
+    return (path + b"?" + query if query else path).decode("latin-1").replace('"', "%22")

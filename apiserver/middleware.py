@@ -161,13 +161,13 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": self._denied})
 
     def _authorized(self, headers) -> bool:
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return False
-                return self._keys.match(token.strip())
-        return False
+        """One `Authorization: Bearer <key>` with a key of the group's. Two Authorization headers are refused: a
+        proxy on the way may read the other one than this server does."""
+        given = [value for name, value in headers if name == b"authorization"]
+        if len(given) != 1:
+            return False
+        scheme, _, token = given[0].partition(b" ")
+        return scheme.lower() == b"bearer" and self._keys.match(token.strip())
 
 
 class RequestIdMiddleware:

@@ -5,8 +5,8 @@ libraries (uvicorn's "Invalid HTTP request received." for every connection that 
 thousands of bad requests a second would write thousands of lines a second, for as long as it likes. So each call
 site (file and line) gets a bucket of BURST lines that refills at RATE lines a second: a burst is logged whole, a
 flood at RATE. The lines dropped are counted, and the next line from that place says how many. Debug lines pass:
-whoever turns them on wants them all. The buckets are per call site, so there are only as many as the code has
-logging calls.
+whoever turns them on wants them all; so do the access log's (UNTHROTTLED). The buckets are per call site, so
+there are only as many as the code has logging calls.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from typing import Callable
 
 BURST = 20
 RATE = 1.0  # lines a second, once a burst is spent
+# Loggers whose every line was asked for: --access-log's (apiserver/access_log.py), one line per request, which the
+# operator turned on knowing the volume. Throttled, it dropped most lines at 8 clients, and a client could hide
+# its request behind 20 cheap ones.
+UNTHROTTLED = frozenset({"apiserver.access"})
 
 
 class _Bucket:
@@ -34,7 +38,7 @@ class LineThrottle(logging.Filter):
         self._buckets: dict[tuple[str, int], _Bucket] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.INFO:
+        if record.levelno < logging.INFO or record.name in UNTHROTTLED:
             return True
         now = self._clock()
         site = (record.pathname, record.lineno)

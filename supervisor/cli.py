@@ -63,6 +63,9 @@ except BaseException as exc:
 
 
 def _api_keys(click_context, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value and "SUPERVISE_API_KEY" in os.environ:
+        # `Environment=SUPERVISE_API_KEY=$KEY` with KEY unset: serving without a key would be nobody's intent.
+        raise click.BadParameter("SUPERVISE_API_KEY is set but holds no key (unset it to serve without one)")
     for key in value:
         if not key or key != key.strip() or any(c.isspace() for c in key) or not key.isprintable():
             raise click.BadParameter("a key is one word of printable characters (a client sends it in a header)")
@@ -70,11 +73,12 @@ def _api_keys(click_context, param, value: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _paths(click_context, param, value: str) -> tuple[str, ...]:
+    """Request paths, without a trailing slash: this server's routes have none (`/v1/models/` would never match)."""
     paths = tuple(path.strip() for path in value.split(",") if path.strip())
     for path in paths:
         if not path.startswith("/"):
             raise click.BadParameter(f"{path!r} is not a path (one starts with /)")
-    return paths
+    return tuple(path.rstrip("/") or "/" for path in paths)
 
 
 def _middleware(click_context, param, value):
@@ -110,7 +114,7 @@ def _positive(click_context, param, value):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=load_config_file,
+@click.option("--config", metavar="FILE", multiple=True, is_eager=True, expose_value=False, callback=load_config_file,
               help="Read options from a YAML file of `option-name: value` pairs (vLLM's --config); the command "
                    "line wins over it. A key that is no option is refused.")
 @click.option("--host", default=_DEFAULTS.host, show_default=True, callback=_host,

@@ -24,10 +24,14 @@ import yaml  # type: ignore[import-untyped]
 MAX_BYTES = 1 << 20  # an operator's settings; anything larger is not one
 
 
-def load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> None:
-    """An eager option's callback: the file's settings become the defaults of the options parsed after it."""
-    if path is None:
+def load_config_file(ctx: click.Context, param: click.Parameter, paths: tuple[str, ...]) -> None:
+    """An eager option's callback: the file's settings become the defaults of the options parsed after it. One
+    file: given twice, the first one's settings were dropped without a word."""
+    if not paths:
         return
+    if len(paths) > 1:
+        raise click.BadParameter(f"one settings file, not {len(paths)} ({', '.join(paths)})", param=param)
+    (path,) = paths
     settings = _read(path)
     options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
     defaults: dict[str, object] = {}

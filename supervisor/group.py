@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 ENGINE_STOP_TIMEOUT = 15.0
 _STOP_DEADLINE = "stop-deadline"
+_STOP_BEATS = "stop-beats"
+STOP_BEATS_EVERY = 1.0  # seconds between looks at the draining servers' heartbeats during the stop
 
 
 class ProcessGroup:
@@ -220,6 +222,7 @@ class ProcessGroup:
         SIGTERM/SIGINT says: stop now."""
         waiting = {c for c in children if c.alive}
         self.events.timers.set(_STOP_DEADLINE, timeout)
+        self.events.timers.set(_STOP_BEATS, STOP_BEATS_EVERY)
         try:
             while waiting:
                 for event in self.events.wait(waiting):
@@ -233,9 +236,26 @@ class ProcessGroup:
                             log.warning("%s did not stop within %.0f s: killing it", child.name, timeout)
                             child.kill(f"it did not stop within {timeout:.0f} s")
                         return True
+                    elif isinstance(event, TimerFired) and event.key == _STOP_BEATS:
+                        self._kill_silent_servers(waiting)
+                        self.events.timers.set(_STOP_BEATS, STOP_BEATS_EVERY)
             return True
         finally:
             self.events.timers.cancel(_STOP_DEADLINE)
+            self.events.timers.cancel(_STOP_BEATS)
+
+    def _kill_silent_servers(self, children: set[Child]) -> None:
+        """API servers whose event loop fell silent while they drain for the stop (SIGSTOPped, wedged) are killed
+        at --heartbeat-timeout, as the watchdog would: the stop waited --shutdown-timeout + 5 s for them, while
+        new connections to the port hung."""
+        now = self.events.timers.clock()
+        for child in children:
+            if child.kind != "api" or not child.ready or not child.alive or child.kill_reason is not None:
+                continue
+            silent = self.silent_for(child.index, now)
+            if silent > self.config.heartbeat_timeout:
+                log.error("%s has not beaten for %.1f s while the group stops: killing it", child.name, silent)
+                child.kill(f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
 
     def kill_all(self) -> None:
         for child in self.children():

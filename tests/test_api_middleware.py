@@ -61,7 +61,8 @@ def auth(key: str = KEY) -> dict:
 ])
 def test_api_key_guards_the_model_and_tokenizer(guarded, method, path, body):
     url = guarded.url + path
-    for headers in ({}, auth("wrong"), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+    two = [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer wrong")]  # which one would a proxy read?
+    for headers in ({}, auth("wrong"), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, two):
         response = httpx.request(method, url, json=body, headers=headers, timeout=30)
         assert response.status_code == 401, (headers, response.text)
         assert response.json()["error"]["type"] == "authentication_error"

@@ -38,6 +38,16 @@ def test_a_settings_file_with_a_mistake_is_one_line_before_anything_starts(tmp_p
     assert "started" not in result.stderr
 
 
+def test_one_settings_file_only(tmp_path):
+    """Given twice, the first file's settings were dropped without a word."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("access-log: true\n")
+    second.write_text("disable-access-log-for-endpoints: /health\n")
+    result = subprocess.run([SUPERVISE, "--config", str(first), "--config", str(second)], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and "one settings file, not 2" in result.stderr, result.stderr
+
+
 def test_a_missing_settings_file_is_named(tmp_path):
     result = subprocess.run([SUPERVISE, "--config", "/nonexistent/supervise.yaml"], capture_output=True, text=True,
                             timeout=30)

@@ -81,6 +81,18 @@ def test_a_server_frozen_while_it_drains_is_killed_by_its_heartbeat(start_superv
     assert server.wait_exit(20) == 0 and time.monotonic() - started < 10
 
 
+def test_the_stop_does_not_wait_for_a_frozen_server(start_supervise):
+    """SIGTERM with an API server SIGSTOPped: the stop waited --shutdown-timeout + 5 s (35 s) for it, new connections
+    hanging meanwhile; it is killed at --heartbeat-timeout, as the watchdog would."""
+    server = start_supervise(*SIM, "--api-server-count", "2", "--heartbeat-timeout", "2")
+    (frozen,) = [c for c in server.children() if title_of(c) == "supervise: ApiServer_0"]
+    frozen.suspend()
+    started = time.monotonic()
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(20) == 0 and time.monotonic() - started < 10
+    assert "ApiServer_0 has not beaten for" in server.log() and "while the group stops: killing it" in server.log()
+
+
 def test_engine_failure_restart_keeps_the_port_serves_again_and_gives_up_past_its_budget(start_supervise):
     server = start_supervise(*SIM, "--on-engine-failure", "restart", "--max-engine-restarts", "1")
     model = model_of(server)

@@ -43,7 +43,8 @@ def test_api_key_metadata_and_group_wide_admission():
         # Either key (a rotation under way) is taken.
         (done,) = stub.Generate(generate_request([1, 2], max_tokens=1), metadata=(("authorization", "Bearer old-key"),))
         assert done.complete.finish_reason == "length"
-        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekrit"),)):
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekrit"),),
+                         (("authorization", "Bearer wrong"), ("authorization", "Bearer sekrit"))):
             for call in (lambda: stub.Generate(generate_request([1, 2], max_tokens=1), metadata=metadata),
                          lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)):
                 error = error_of(call)

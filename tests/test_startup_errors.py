@@ -8,8 +8,9 @@ import pytest
 from tests.supervise_process import SUPERVISE
 
 
-def run_supervise(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([SUPERVISE, *args], capture_output=True, text=True, timeout=timeout)
+def run_supervise(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([SUPERVISE, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("stranger_reuses_port", [False, True], ids=["plain", "reuseport"])
@@ -159,6 +160,13 @@ def test_bad_option_values_are_refused_before_anything_starts(args, flag):
     result = run_supervise(*args, timeout=30)
     assert result.returncode == 2
     assert flag in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t "])
+def test_a_blank_api_key_in_the_environment_is_refused(blank):
+    """It left the group open, without a word (an unset variable in a unit's Environment= line)."""
+    result = run_supervise("--model", "sim:10", env={"SUPERVISE_API_KEY": blank}, timeout=30)
+    assert result.returncode == 2 and "SUPERVISE_API_KEY is set but holds no key" in result.stderr, result.stderr
 
 
 def test_help_explains_the_options():

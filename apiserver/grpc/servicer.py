@@ -116,10 +116,14 @@ class VllmEngineService:
         yield  # an async generator, as a server-streaming method must be
 
     # The steps every call shares.
-    def authorized(self, metadata: dict) -> bool:
-        """The keys are compared as the HTTP API compares them (apiserver/api_keys.py)."""
+    def authorized(self, metadata: dict, given: int = 1) -> bool:
+        """The keys are compared as the HTTP API compares them (apiserver/api_keys.py); `given`: how many
+        `authorization` entries the call has (more than one is refused, as over HTTP: which one counts is up to
+        whoever reads it)."""
         if not self._api_keys:
             return True
+        if given > 1:
+            return False
         value = metadata.get("authorization", "")
         scheme, _, token = value.partition(" ")
         return scheme.lower() == "bearer" and self._api_keys.match(token.strip().encode())
@@ -161,8 +165,9 @@ class _Call:
             self.message = unwrapped(self._request)
         except RpcError as refused:
             await self._end(refused)
-        self.metadata = dict(self._context.invocation_metadata() or ())
-        if not self._open and not self._service.authorized(self.metadata):
+        pairs = self._context.invocation_metadata() or ()
+        self.metadata = dict(pairs)
+        if not self._open and not self._service.authorized(self.metadata, _count(pairs, "authorization")):
             await self._end(RpcError(Code.UNAUTHENTICATED, "missing or invalid API key: send `authorization: Bearer "
                                                            "<key>` metadata"))
         return self
@@ -190,3 +195,7 @@ class _Call:
         """Count the status and end the call with it (context.abort raises AbortError: nothing runs after)."""
         self._service.ctx.metrics.count_grpc(error.code.name)
         await self._context.abort(error.code, error.message)
+
+
+def _count(pairs, name: str) -> int:
+    return sum(1 for key, _ in pairs if key == name)
