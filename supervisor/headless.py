@@ -4,8 +4,9 @@ No API servers and no HTTP port: the node starts its ranks' engines on TCP (CURV
 waits for them to load (READY to systemd then, like a head), and from then on says HELLO to the head four
 times per --engine-ping-interval (ipc/registration.py). The same beat registers the node, keeps it registered,
 and registers it again with a head that restarted: the engines stay loaded meanwhile, however long the head is
-away, and the node logs that it waits. When a new head appears, the old head's API servers are all gone, so
-their unfinished requests are aborted on this node's engines.
+away, and the node logs that it waits (and why, where its handshake tells: a key on one side only; it then
+connects again every few seconds, which ZMQ does not). When a new head appears, the old head's API servers are
+all gone, so their unfinished requests are aborted on this node's engines.
 
 The node goes down, saying LEAVING first so that the head marks its ranks down at once:
 - on SIGTERM/SIGINT (exit 0), once its ranks have finished their running requests, which the head sends no new
