@@ -24,6 +24,7 @@ from ipc.sockets import api_server_identity
 from supervisor.children import Child, spawn_api_server, spawn_engine_core
 from supervisor.engine_link import EngineLink
 from supervisor.events import ChildExited, EventSource, SignalArrived, TimerFired
+from supervisor.heartbeats import silent_servers
 from supervisor.layout import layout_of, local_engine_address
 from supervisor.signals import STOP_SIGNALS
 from supervisor.startup import wait_until_ready
@@ -249,13 +250,9 @@ class ProcessGroup:
         at --heartbeat-timeout, as the watchdog would: the stop waited --shutdown-timeout + 5 s for them, while
         new connections to the port hung."""
         now = self.events.timers.clock()
-        for child in children:
-            if child.kind != "api" or not child.ready or not child.alive or child.kill_reason is not None:
-                continue
-            silent = self.silent_for(child.index, now)
-            if silent > self.config.heartbeat_timeout:
-                log.error("%s has not beaten for %.1f s while the group stops: killing it", child.name, silent)
-                child.kill(f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
+        for child, silent in silent_servers(children, self.silent_for, now, self.config.heartbeat_timeout):
+            log.error("%s has not beaten for %.1f s while the group stops: killing it", child.name, silent)
+            child.kill(f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
 
     def kill_all(self) -> None:
         for child in self.children():

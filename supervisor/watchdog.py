@@ -15,6 +15,7 @@ from collections import deque
 from ipc.tls import keep_files
 from supervisor.children import Child
 from supervisor.engine_liveness import EngineLiveness
+from supervisor.heartbeats import silent_servers
 from supervisor.events import (ChildExited, ChildReady, Event, EventSource, RankDraining, RankJoined, RankLost,
                                SignalArrived, TimerFired, Timers)
 from supervisor.restart_policy import RestartBudget
@@ -272,17 +273,14 @@ class Watchdog:
         """A server whose event loop is silent is killed: a serving one is replaced, a draining one (a rolling
         restart's, SIGTTOU's) only killed, as its successor serves already. A draining one was left out, and one
         frozen mid-drain held its requests, its admission slots and its copy of the port for as long as it was."""
-        now = self.timers.clock()
-        for child in [*self.group.api_servers.values(), *self.group.draining]:
-            if not child.ready or not child.alive or child.kill_reason is not None:
-                continue
-            silent = self.group.silent_for(child.index, now)
-            if silent > self.config.heartbeat_timeout:
-                draining = child in self.group.draining
-                log.error("%s has not beaten for %.1f s%s", child.name, silent,
-                          ", while it drained: killing it (its unfinished requests fail)" if draining else
-                          ": killing and replacing it")
-                self.group.kill(child, f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
+        servers = [*self.group.api_servers.values(), *self.group.draining]
+        for child, silent in silent_servers(servers, self.group.silent_for, self.timers.clock(),
+                                            self.config.heartbeat_timeout):
+            draining = child in self.group.draining
+            log.error("%s has not beaten for %.1f s%s", child.name, silent,
+                      ", while it drained: killing it (its unfinished requests fail)" if draining else
+                      ": killing and replacing it")
+            self.group.kill(child, f"its event loop was silent for {silent:.1f} s (--heartbeat-timeout)")
 
     def _check_start_deadlines(self) -> None:
         now = self.timers.clock()
