@@ -7,10 +7,11 @@ settings in /etc rather than in a long ExecStart line.
     allowed-origins: [https://app.example.com]
 
 A key is an option's name without its dashes (`api-server-count`, or `api_server_count`); a switch takes true or
-false; an option given more than once (`--middleware`) takes a list. The command line wins over the file, and the
-file over the environment's variables and the defaults (click's order: command line, environment, file, default).
-Every value goes through the option's own check, so a bad one is the same one line and exit 2 as on the command
-line; a key that is no option is refused by name rather than ignored (a typo would silently keep a default).
+false; an option given more than once (`--middleware`) takes a list. The command line wins, then an environment
+variable (`SUPERVISE_API_KEY`), then the file, then the default (click's order). Every value must be of its
+option's kind and then goes through the option's own check, so a bad one is the same one line and exit 2 as on
+the command line; a key that is no option is refused by name rather than ignored (a typo would silently keep a
+default).
 """
 from __future__ import annotations
 
