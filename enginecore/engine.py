@@ -122,7 +122,8 @@ class EngineCore(EngineBase):
             self._use_cuda_graphs(config, loaded.hf_config)
 
         self.pool = KVBlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_tokens)
         super().__init__(self.max_model_len, loaded.model.get_output_embeddings().weight.shape[0],
                          model_facts.eos_token_ids(loaded.hf_config, loaded.generation_config),
                          use_priority=config.scheduling_policy == "priority")

@@ -2,7 +2,10 @@
 
 Continuous batching under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
 running sequences first (decodes, then the rest of prompts being prefilled in chunks), then new prompts from the
-waiting queue, the last one cut to what is left of the budget (chunked prefill). When the KV pool runs out of
+waiting queue, the last one cut to what is left of the budget (chunked prefill). While other sequences run or
+wait, one prompt's chunk takes at most `long_prefill_tokens` of a step (vLLM's long-prefill threshold): a long
+prompt took the whole budget step after step, and a one-line chat that came after it waited for its whole prefill
+(40 s behind 8,000 tokens on a 2-core CPU); alone, it takes the whole budget. When the KV pool runs out of
 blocks the newest, lowest-priority running sequence is preempted: its blocks are freed and it goes back to the
 waiting queue to be recomputed later (prompt and generated tokens alike), so no request is ever lost. Under the
 priority policy a waiting request also preempts a running one of a worse priority when there is no room for it
@@ -43,10 +46,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVBlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: KVBlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_tokens: int = 0):
+        """`long_prefill_tokens`: the most tokens one prompt's chunk takes of a step while others run or wait
+        (0: no such cap)."""
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens or max_num_batched_tokens
         self.running: list[Sequence] = []  # kept sorted by Sequence.key
         self._waiting: list[tuple[tuple, int, Sequence]] = []  # heap; finished entries are skipped lazily
         self.num_waiting = 0
@@ -118,6 +125,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        # A prompt's chunk when others run or wait beside it (it leaves them part of the step); alone, the budget.
+        chunk = self.long_prefill_tokens if len(self.running) + self.num_waiting > 1 else budget
         scheduled: dict[Sequence, int] = {}
         # Decodes (one token) before the rest, each group in priority order.
         order: list[Sequence] = []
@@ -134,7 +143,7 @@ class Scheduler:
             if seq.status is not running:  # preempted by one before it in this loop
                 continue
             computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
+            n = min(len(seq.token_ids) - computed, budget, chunk)
             table = seq.block_table
             # Fast path of a decode: its token goes into its last block, which has room and which no other
             # sequence holds. The pool would find nothing to do (no new block, no copy), so it is not asked.
@@ -163,7 +172,7 @@ class Scheduler:
                 continue
             if seq.num_computed_tokens == 0:
                 self._use_prefix_cache(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, chunk)
             if not self._reserve(seq, n, batch.block_copies, self._watermark if self.running else 0):
                 self.pool.free(seq)  # give back the prefix hits too; it tries again (next step, or below)
                 if not self._outranks_lowest_running(seq):

@@ -34,6 +34,9 @@ class ServeConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # The most tokens one prompt's chunk takes of a step while other sequences run or wait (enginecore/scheduler.py);
+    # None: a quarter of max_num_batched_tokens; 0: no cap (a long prompt takes every step's budget, vLLM's default).
+    long_prefill_token_threshold: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes, CPU only; None: a share of free memory
     gpu_memory_utilization: float = 0.9
@@ -165,6 +168,13 @@ class ServeConfig:
 
     def replace(self, **changes: Any) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def long_prefill_tokens(self) -> int:
+        """--long-prefill-token-threshold as the scheduler takes it: a number of tokens, 0 for no cap."""
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return self.long_prefill_token_threshold
 
     @property
     def model_name(self) -> str:

@@ -180,6 +180,10 @@ def _positive(click_context, param, value):
                    "wait for one).")
 @click.option("--max-num-batched-tokens", default=_DEFAULTS.max_num_batched_tokens, show_default=True,
               type=click.IntRange(1), help="Token budget of one engine step (long prompts go in chunks).")
+@click.option("--long-prefill-token-threshold", default=None, type=click.IntRange(0), metavar="TOKENS",
+              help="While other sequences run or wait, one prompt's chunk takes at most this many tokens of a step "
+                   "(vLLM's option), so that a long prompt does not hold up every request after it for its whole "
+                   "prefill. Default: a quarter of --max-num-batched-tokens; 0: no cap.")
 @click.option("--block-size", default=_DEFAULTS.block_size, show_default=True, type=click.IntRange(1),
               help="Tokens per KV cache block.")
 @click.option("--kv-cache-memory", default=None, type=int, callback=_positive,

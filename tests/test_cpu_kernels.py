@@ -7,6 +7,7 @@ import functools
 import os
 import platform
 import subprocess
+import time
 
 import pytest
 import torch
@@ -270,20 +271,51 @@ def test_a_step_whose_rows_need_no_logits_runs_on_our_kernels(prompts):
     assert engine.runner.lean_model.cpu_ops.rms_norm(empty, lean.final_norm, 1e-5).shape == empty.shape
 
 
-def test_a_prompt_past_the_step_budget_is_answered_by_the_default_group():
-    """Through the group: the default (int8 by our kernel where it runs) with a small step budget, a prompt of many
-    chunks answered, and the group still up for the next request."""
-    from openai import OpenAI
-
+@pytest.fixture(scope="module")
+def small_budget():
+    """The default group (int8 by our kernel where it runs) with a small step budget: long prompts go in chunks."""
     from tests.supervise_process import Supervise
 
     with Supervise("--max-num-batched-tokens", "64") as server:
-        client = OpenAI(base_url=server.base_url, api_key="unused")
-        model = client.models.list().data[0].id
-        long = client.completions.create(model=model, prompt="the sea and the sky " * 120, max_tokens=4,
-                                         temperature=0)
-        assert long.usage.prompt_tokens > 4 * 64 and long.usage.completion_tokens == 4
-        again = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in again.choices[0].message.content
-        assert "Segmentation" not in server.log() and "Traceback" not in server.log()
+        yield server
+
+
+def test_a_prompt_past_the_step_budget_is_answered_by_the_default_group(small_budget):
+    """Through the group: a prompt of many chunks answered, and the group still up for the next request."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=small_budget.base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    long = client.completions.create(model=model, prompt="the sea and the sky " * 120, max_tokens=4, temperature=0)
+    assert long.usage.prompt_tokens > 4 * 64 and long.usage.completion_tokens == 4
+    again = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in again.choices[0].message.content
+    assert "Segmentation" not in small_budget.log() and "Traceback" not in small_budget.log()
+
+
+def test_a_long_prompt_does_not_hold_up_a_short_request_for_its_whole_prefill(small_budget):
+    """A long prompt took every step's budget until its prefill was done, and a short chat that came after it waited
+    that long (40 s behind 8,000 tokens at the default budget on this CPU). With another request beside it, its
+    chunk is a quarter of the budget (--long-prefill-token-threshold): the chat is answered while the long prompt
+    is still being read."""
+    import threading
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=small_budget.base_url, api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    done: dict[str, float] = {}
+
+    def long_prompt():
+        client.completions.create(model=model, prompt="the sea and the sky " * 600, max_tokens=1)
+        done["long"] = time.monotonic()
+
+    reader = threading.Thread(target=long_prompt)
+    reader.start()
+    time.sleep(0.5)  # its prefill under way: some 3,000 tokens, 64 a step alone
+    client.chat.completions.create(model=model, max_tokens=5, temperature=0,
+                                   messages=[{"role": "user", "content": "Say hi."}])
+    done["short"] = time.monotonic()
+    reader.join(120)
+    assert done["short"] < done["long"], done

@@ -38,3 +38,27 @@ def test_requests_aborted_while_waiting_behind_a_blocked_head_are_freed():
     alive = sum(ref() is not None for ref in abandoned)
     assert alive <= 100, f"{alive} of 2,000 aborted requests are still held by the engine"
     assert scheduler.num_waiting == 1 and [s for s, _ in scheduler.schedule().entries] == [running]  # head waits on
+
+
+def _prompt(seq_id: int, tokens: int) -> Sequence:
+    prompt = list(range(tokens))
+    return Sequence(seq_id=seq_id, request_id=f"p{seq_id}", client=None, index=0, token_ids=prompt,
+                    num_prompt_tokens=len(prompt), sampling=SAMPLING, priority=0, arrival=seq_id)
+
+
+def test_a_long_prompt_leaves_part_of_each_step_to_the_requests_after_it():
+    """Alone, a long prompt's chunk is the whole budget; once another request waits, it takes at most
+    long_prefill_tokens and the newcomer starts in the same step. It took every step's budget until its prefill
+    was done: a one-line chat behind 8,000 tokens waited 40 s on a 2-core CPU."""
+    scheduler = Scheduler(KVBlockPool(1024, 16), max_num_seqs=8, max_num_batched_tokens=256, long_prefill_tokens=64)
+    long = _prompt(0, 4000)
+    scheduler.add(long)
+    assert [(s.request_id, n) for s, n in scheduler.schedule().entries] == [("p0", 256)]  # alone: all of it
+    long.num_computed_tokens += 256
+    short = _prompt(1, 10)
+    scheduler.add(short)
+    assert sorted((s.request_id, n) for s, n in scheduler.schedule().entries) == [("p0", 64), ("p1", 10)]
+    uncapped = Scheduler(KVBlockPool(1024, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    for seq in (_prompt(2, 4000), _prompt(3, 10)):
+        uncapped.add(seq)
+    assert [(s.request_id, n) for s, n in uncapped.schedule().entries] == [("p2", 256)]  # (0: no cap, as before)
