@@ -127,7 +127,13 @@ def _call_schema(function, pointer: str) -> dict:
 
 
 def _parameters(function) -> dict:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    """The schema a forced call's arguments follow: always an object's (OpenAI's arguments are one, and clients
+    call `fn(**json.loads(arguments))`), also where `parameters` leaves the type out: `{}` let the model answer
+    `false`."""
+    parameters = function.parameters
+    if parameters is None:
+        return {"type": "object", "properties": {}}
+    return parameters if "type" in parameters else {"type": "object", **parameters}
 
 
 def _may_refer(schema: dict) -> bool:

@@ -61,10 +61,18 @@ def json_schema_grammar(schema: dict[str, Any], any_whitespace: bool = True) -> 
     """Output that is one JSON value valid against `schema`. Objects whose schema lists properties and says nothing
     of others get none beyond them (what xgrammar, vLLM's default backend, does, and OpenAI's strict mode asks):
     still valid against the schema, and a small model does not wander off into keys of its own. any_whitespace
-    False: no whitespace between tokens."""
+    False: no whitespace between tokens.
+
+    Keywords llguidance does not enforce (`uniqueItems`, which pydantic writes for every set, `format: binary`,
+    `not`, `if`/`then`, `propertyNames`, ...) are left out of the constraint (lenient), as vLLM's guidance backend
+    leaves them: refusing them refused the schemas of ordinary pydantic models and whole tool lists. Output still
+    follows every keyword that is enforced; a schema that is wrong (an unknown type, a bound that is no number)
+    is still refused."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
-    options: JsonCompileOptions | None = None if any_whitespace else {"whitespace_flexible": False}
+    options: JsonCompileOptions = {"lenient": True}
+    if not any_whitespace:
+        options["whitespace_flexible"] = False
     try:
         return _matcher().grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=options)
     except RecursionError:

@@ -311,6 +311,46 @@ def test_required_tools_from_pydantic_models_with_nested_models(client, model):
         assert reply.choices[0].finish_reason == "tool_calls"
 
 
+def test_forced_calls_of_schemas_with_keywords_the_grammar_does_not_enforce(client, model):
+    """pydantic writes `uniqueItems` for every set and `format: password` for a SecretStr; llguidance enforces
+    neither, and refusing them (400 "Unimplemented keys") refused LangChain's `with_structured_output` of such a
+    model and, under `tool_choice: required`, a whole tool list for one such tool. As vLLM does, they are left out
+    of the constraint: the call is made and validates against the model."""
+    class Palette(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        colors: set[str] = pydantic.Field(max_length=2)
+        secret: pydantic.SecretStr = pydantic.Field(max_length=8)
+
+    tool = openai.pydantic_function_tool(Palette)
+    written = json.dumps(tool["function"]["parameters"])
+    assert '"uniqueItems"' in written and '"password"' in written
+    messages = [{"role": "user", "content": "Make a palette."}]
+    for forced in ("required", {"type": "function", "function": {"name": "Palette"}}):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[tool, *TOOLS], tool_choice=forced,
+                                               parallel_tool_calls=False, max_tokens=120, temperature=0)
+        (call,) = reply.choices[0].message.tool_calls
+        if call.function.name == "Palette":
+            Palette.model_validate_json(call.function.arguments)
+        else:
+            _valid_calls([call])
+
+
+def test_a_forced_call_of_a_function_whose_parameters_say_nothing_gets_an_object(client, model):
+    """`parameters: {}` allows any JSON value, and the model answered `false`: arguments are always an object
+    (OpenAI's, and what `fn(**json.loads(arguments))` needs)."""
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    for stream in (False, True):
+        args = dict(model=model, messages=[{"role": "user", "content": "Say no."}], tools=[tool], max_tokens=80,
+                    tool_choice={"type": "function", "function": {"name": "ping"}}, temperature=0)
+        if stream:
+            calls, finish, _ = _streamed(client.chat.completions.create(stream=True, **args))
+            arguments = calls[0]["arguments"]
+        else:
+            choice = client.chat.completions.create(**args).choices[0]
+            arguments, finish = choice.message.tool_calls[0].function.arguments, choice.finish_reason
+        assert finish == "tool_calls" and isinstance(json.loads(arguments), dict), arguments
+
+
 def test_a_forced_call_with_a_response_format_makes_the_call(client, model):
     """openai-agents sends its output type's schema with `tool_choice: required` (then lets the choice go once the
     tool ran); instructor's RESPONSES_TOOLS mode does the same. As in vLLM, the forced call's grammar wins: the
