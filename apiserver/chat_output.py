@@ -27,7 +27,9 @@ def message(text: str, shape: OutputShape, finish_reason: str | None) -> tuple[d
     reasoning, content = split(text, shape.opened, True) if shape.reasoning else ("", text)
     out: dict = {"role": "assistant", "content": content}
     if shape.reasoning:
-        out["reasoning_content"] = reasoning or None
+        # Under both names, as vLLM writes it: `reasoning` (vLLM's since v0.11.1, OpenRouter's) and
+        # `reasoning_content` (DeepSeek's, which clients written for older vLLM read).
+        out["reasoning"] = out["reasoning_content"] = reasoning or None
         if reasoning and not content:
             out["content"] = None  # it reasoned until the end (max_tokens)
     if shape.tool_parser is not None:
@@ -58,13 +60,13 @@ class StreamedMessage:
         return self._tools is not None and self._tools.num_calls > 0
 
     def feed(self, text: str, final: bool) -> dict:
-        """The delta's fields (reasoning_content, content, tool_calls) for what the output grew by."""
+        """The delta's fields (reasoning, reasoning_content, content, tool_calls) for what the output grew by."""
         fields: dict = {}
         content = text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.feed(text, final)
             if reasoning:
-                fields["reasoning_content"] = reasoning
+                fields["reasoning"] = fields["reasoning_content"] = reasoning  # both names: see message()
         if self._tools is not None:
             content, calls = self._tools.feed(content, final)
             if calls:

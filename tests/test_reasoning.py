@@ -37,11 +37,11 @@ def test_split_whole_and_streamed(text, opened, reasoning, content):
     shape = OutputShape(True, opened, None)
     for at in range(len(text) + 1):
         streamed = StreamedMessage(shape)
-        got = {"reasoning_content": "", "content": ""}
+        got = {"reasoning": "", "reasoning_content": "", "content": ""}
         for piece, final in ((text[:at], False), (text[at:], True)):
             for key, value in streamed.feed(piece, final).items():
                 got[key] += value
-        assert (got["reasoning_content"], got["content"]) == (reasoning, content), at
+        assert (got["reasoning"], got["reasoning_content"], got["content"]) == (reasoning, reasoning, content), at
 
 
 REASONING_FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "<", "/", " ", "\n", "\u3000", "x", "Yes.", "think>"]

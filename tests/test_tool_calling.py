@@ -187,16 +187,17 @@ def test_round_trip_call_tool_answer(client, model):
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
-def test_reasoning_content_whole_and_streamed(client, model):
+@pytest.mark.parametrize("name", ["reasoning_content", "reasoning"])  # DeepSeek's and older vLLM's; vLLM's now
+def test_reasoning_whole_and_streamed_under_both_names(client, model, name):
     args = dict(model=model, messages=[{"role": "user", "content": "Is 17 a prime number?"}], max_tokens=12,
                 temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     reply = client.chat.completions.create(**args).choices[0].message
-    assert reply.reasoning_content and reply.content is None  # still thinking after 12 tokens
+    assert getattr(reply, name) and reply.content is None  # still thinking after 12 tokens
     chunks = list(client.chat.completions.create(stream=True, **args))
-    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
-    assert streamed == reply.reasoning_content
+    streamed = "".join(getattr(c.choices[0].delta, name, None) or "" for c in chunks if c.choices)
+    assert streamed == getattr(reply, name)
     plain = client.chat.completions.create(**{**args, "extra_body": {}}).choices[0].message
-    assert plain.content and plain.reasoning_content is None  # not opened: no reasoning
+    assert plain.content and getattr(plain, name) is None  # not opened: no reasoning
 
 
 def test_continuing_a_message_whose_reasoning_is_open_goes_on_in_the_reasoning(client, model):
