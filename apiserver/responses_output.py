@@ -13,6 +13,7 @@ import time
 from apiserver.generation import Generation
 from apiserver.logprobs import LogprobFormatter
 from apiserver.protocol_responses import ResponsesRequest
+from ipc.sampling import SamplingParams
 
 INCOMPLETE_DETAILS = {"reason": "max_output_tokens"}
 
@@ -20,7 +21,7 @@ INCOMPLETE_DETAILS = {"reason": "max_output_tokens"}
 class ResponseFrame:
     """One response's fixed fields, and its items' ids."""
 
-    def __init__(self, req: ResponsesRequest, request_id: str, model_name: str):
+    def __init__(self, req: ResponsesRequest, request_id: str, model_name: str, sampling: SamplingParams):
         self.request_id = request_id
         self.id = "resp_" + request_id
         self._fields = {
@@ -30,10 +31,12 @@ class ResponseFrame:
             "model": model_name,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
+            # What was sampled with (the request's, else the model's generation_config.json's, else 1), as OpenAI
+            # and vLLM echo it: not null where the request left them out.
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
             "tools": [] if req.tools is None else [tool.model_dump(exclude_none=True) for tool in req.tools],
-            "tool_choice": _choice(req.tool_choice, req.tools),
+            "tool_choice": _choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": {"format": {"type": "text"} if req.text is None or req.text.format is None
                      else req.text.format.model_dump(by_alias=True, exclude_none=True)},
@@ -69,9 +72,9 @@ def _reasoning(req: ResponsesRequest) -> dict:
     return {"effort": asked.effort, "summary": asked.summary or asked.generate_summary}
 
 
-def _choice(choice, tools) -> str | dict:
+def _choice(choice) -> str | dict:
     if choice is None:
-        return "auto" if tools else "none"
+        return "auto"  # OpenAI's default, with tools or without
     return choice if isinstance(choice, str) else choice.model_dump()
 
 

@@ -47,7 +47,7 @@ class ResponsesServing:
         if req.wants_logprobs:
             self._check_logprobs(req, generation, shape, top_n)
             logprobs = ResponseLogprobs(self._chat.logprobs, top_n)
-        frame = ResponseFrame(req, generation.request_id, self.ctx.model_name)
+        frame = ResponseFrame(req, generation.request_id, self.ctx.model_name, generation.sampling)
         writer = ResponseEventWriter(frame, shape, self.count_tokens, logprobs)
         return await self._chat.respond(
             request, generation, req.stream, writer, False,

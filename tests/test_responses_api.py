@@ -34,6 +34,9 @@ def test_text_whole_and_streamed(served):
     assert whole.object == "response" and whole.id.startswith("resp_") and whole.status == "completed"
     assert whole.output_text.strip() and [item.type for item in whole.output] == ["message"]
     assert whole.output[0].role == "assistant" and whole.output[0].status == "completed"
+    assert (whole.temperature, whole.top_p, whole.tool_choice) == (0, 1, "auto")  # as sampled; OpenAI's default
+    unset = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=1)
+    assert (unset.temperature, unset.top_p) == (1, 1)  # the embedded model's generation_config.json sets neither
     usage = whole.usage
     assert usage.input_tokens > 10 and 0 < usage.output_tokens <= 12
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
