@@ -28,6 +28,38 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+# vLLM's extensions accepted only at the values that ask for nothing (see _SamplingFields), and why any other is
+# refused.
+_STRUCTURED = "vLLM's old name for structured outputs: send `structured_outputs` (`json`, `regex`, `choice`, `grammar`)"
+VLLM_UNDONE = {
+    "use_beam_search": "beam search is not done by this server",
+    "length_penalty": "beam search is not done by this server",
+    "spaces_between_special_tokens": "special tokens are always decoded with the spaces between them",
+    "truncate_prompt_tokens": "prompts are not truncated by this server: send a shorter one",
+    "prompt_logprobs": "send the prompt to /v1/completions with `echo` and `logprobs` for its logprobs",
+    "allowed_token_ids": "use `logit_bias` or `structured_outputs`",
+    "bad_words": "use `logit_bias`",
+    "return_tokens_as_token_ids": "not supported by this server",
+    "return_token_ids": "not supported by this server: /tokenize gives a text's token ids",
+    "cache_salt": "the prefix cache is shared by all requests of this server",
+    "logits_processors": "not supported by this server",
+    "kv_transfer_params": "not supported by this server",
+    "vllm_xargs": "not supported by this server",
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "echo": "a chat's echo is not supported by this server (/v1/completions' is)",
+    "add_special_tokens": "only this endpoint's default is supported",
+    "documents": "not supported by this server",
+    "chat_template": "a request's own chat template is not supported by this server",
+    "mm_processor_kwargs": "this server reads text only",
+    "prompt_embeds": "this server reads text and token ids only",
+}
+
+
 # An unsupported field's value that asks for nothing: an empty object or list.
 NoValue = Annotated[T, Field(max_length=0)]
 
@@ -201,7 +233,8 @@ class ChatMessage(_MessagePart):
 class _SamplingFields(_Strict):
     """Fields both generation endpoints share: OpenAI's, then the engine's extras (vLLM's names)."""
 
-    model: StrictStr
+    # Left out (or null): the served model, as vLLM and /invocations take it; OpenAI's API requires it.
+    model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=128)
     seed: Int64 | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
@@ -244,6 +277,30 @@ class _SamplingFields(_Strict):
     stream_reasoning: Literal[True] | None = None
     return_hidden_states: Literal[False] | None = None
     include_reasoning: Literal[True] | None = None
+
+    # vLLM's own extensions that this server does not do, accepted at the values that ask for nothing (their
+    # defaults, null, empty): clients built on vLLM's request classes, and proxies that forward every field, send
+    # them so. Any other value is refused with the field's name and VLLM_UNDONE's reason.
+    use_beam_search: Literal[False] | None = None
+    length_penalty: Literal[1] | None = None
+    spaces_between_special_tokens: Literal[True] | None = None
+    truncate_prompt_tokens: None = None
+    prompt_logprobs: None = None
+    allowed_token_ids: None = None
+    bad_words: NoValue[list] | None = None
+    return_tokens_as_token_ids: Literal[False] | None = None
+    return_token_ids: Literal[False] | None = None
+    cache_salt: None = None
+    logits_processors: None = None
+    kv_transfer_params: NoValue[dict] | None = None
+    vllm_xargs: NoValue[dict] | None = None
+    # vLLM's names before structured_outputs (gone from vLLM since v0.12): refused with a pointer to it.
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    guided_decoding_backend: None = None
+    guided_whitespace_pattern: None = None
 
     sampling_nulls = nulls_mean_default("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                                         "skip_special_tokens", "priority")
@@ -289,6 +346,13 @@ class ChatCompletionRequest(_SamplingFields):
                        Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")], None] = None
     parallel_tool_calls: StrictBool | None = None
 
+    # vLLM's chat extensions not done here (see _SamplingFields): at their defaults only.
+    echo: Literal[False] | None = None
+    add_special_tokens: Literal[False] | None = None
+    documents: NoValue[list] | None = None
+    chat_template: None = None
+    mm_processor_kwargs: NoValue[dict] | None = None
+
     chat_nulls = nulls_mean_default("logprobs", "add_generation_prompt", "continue_final_message")
 
 
@@ -322,6 +386,8 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: None = None
     best_of: Literal[1] | None = None  # one candidate per choice: what is done anyway
+    add_special_tokens: Literal[True] | None = None  # vLLM's, at its default for completions (see _SamplingFields)
+    prompt_embeds: None = None
 
     completion_nulls = nulls_mean_default("echo")
 

@@ -34,7 +34,7 @@ class GenerationServing:
 
     # Preflight.
     def check_model(self, name: str | None) -> None:
-        """None passes: only the tokenizer endpoints let a client leave the model out."""
+        """None passes: a request that leaves the model out asks for the served one (as vLLM reads it)."""
         if name is not None and name != self.ctx.model_name:
             raise ModelNotFound(name)
 

@@ -8,14 +8,20 @@ from contextlib import asynccontextmanager
 from pydantic import BaseModel, ValidationError
 
 from apiserver.errors import ApiError, InvalidRequest
-from apiserver.protocol import UNSUPPORTED_FIELDS
+from apiserver.protocol import UNSUPPORTED_FIELDS, VLLM_UNDONE
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 async def request_body(request) -> bytes:
     """The request's body, as sent. A 415 when it comes compressed (Content-Encoding gzip, br, ...): this server
     reads bodies as they are, and a gzipped JSON body was a 400 "not valid JSON at column 1" that sent the client
-    looking at its JSON. Read first, so the connection stays usable after the answer."""
+    looking at its JSON. Read first, so the connection stays usable after the answer. A UTF-8 byte order mark
+    before the JSON is dropped, as Python's json reads bytes (and so vLLM): Windows tools write one."""
     body = await request.body()
+    if body[:3] == UTF8_BOM:
+        body = body[3:]
     # Every coding of every Content-Encoding line (a list may be split over several lines, RFC 9110 5.3).
     codings = [c.strip().lower() for line in request.headers.getlist("content-encoding") for c in line.split(",")]
     if any(c not in ("", "identity") for c in codings):
@@ -92,6 +98,8 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"Missing required field: `{path}`.", param=path)
     if field in UNSUPPORTED_FIELDS and path == field:
         return InvalidRequest(f"Unsupported field: `{field}` is not supported by this server.", param=field)
+    if field in VLLM_UNDONE and path == field:
+        return InvalidRequest(f"Unsupported value for `{field}`: {VLLM_UNDONE[field]}.", param=field)
     return InvalidRequest(f"Invalid value for `{path}`: {error['msg']}.", param=path)
 
 

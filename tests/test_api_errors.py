@@ -119,6 +119,48 @@ def test_unsupported_fields_at_values_that_ask_for_nothing_pass(http):
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400, "best_of")
 
 
+# vLLM's request fields at the values that ask for nothing, as clients built on vLLM's request classes (and
+# proxies that forward every field) send them; each with a value that asks for something, refused by name.
+VLLM_FIELDS_AT_REST = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+                       "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None,
+                       "bad_words": [], "return_tokens_as_token_ids": False, "return_token_ids": False,
+                       "cache_salt": None, "logits_processors": None, "kv_transfer_params": None, "vllm_xargs": {},
+                       "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                       "guided_decoding_backend": None, "guided_whitespace_pattern": None}
+VLLM_CHAT_FIELDS_AT_REST = {"echo": False, "add_special_tokens": False, "documents": None, "chat_template": None,
+                            "mm_processor_kwargs": {}}
+VLLM_FIELDS_ASKING = [("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
+                      ("truncate_prompt_tokens", 8), ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]),
+                      ("bad_words", ["x"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+                      ("cache_salt", "s"), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
+                      ("echo", True), ("add_special_tokens", True), ("documents", [{"text": "x"}]),
+                      ("chat_template", "{{ messages }}"), ("guided_json", {"type": "object"}),
+                      ("guided_choice", ["a"])]
+
+
+def test_vllms_own_fields_pass_at_rest_and_are_refused_by_name_otherwise(http):
+    response = chat(http, max_tokens=1, **VLLM_FIELDS_AT_REST, **VLLM_CHAT_FIELDS_AT_REST)
+    assert response.status_code == 200, response.text
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                  "add_special_tokens": True, **VLLM_FIELDS_AT_REST})
+    assert response.status_code == 200, response.text
+    for field, value in VLLM_FIELDS_ASKING:
+        error = assert_error(chat(http, max_tokens=1, **{field: value}), 400, field)
+        assert error["message"].startswith(f"Unsupported value for `{field}`: "), error
+        if field.startswith("guided_"):
+            assert "`structured_outputs`" in error["message"]
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "add_special_tokens": False}),
+                 400, "add_special_tokens")
+
+
+def test_a_body_after_a_utf8_byte_order_mark_is_read(http):
+    """PowerShell 5's `Out-File -Encoding utf8` writes one; Python's json (and so vLLM) reads past it."""
+    body = b"\xef\xbb\xbf" + json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 1}).encode()
+    response = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert_error(http.post("/v1/chat/completions", content=b"\xef\xbb\xbf", headers={"content-type": "application/json"}), 400)
+
+
 def test_the_labels_newer_openai_clients_send_pass(sim, http):
     """`prompt_cache_key` and `safety_identifier` label a request and ask for nothing; the openai package sends
     them as it sends `user`. `verbosity` asks for shorter or longer answers: still refused by name."""
@@ -218,8 +260,13 @@ def test_a_whole_response_too_large_for_its_logprobs_is_refused_before_it_runs(h
     assert chat(http, **{**big, "max_tokens": 3}).status_code == 200
 
 
-def test_model_missing_or_unknown(http):
-    assert_error(http.post("/v1/chat/completions", json={"messages": HELLO}), 400, "model")
+def test_model_left_out_is_the_served_one_and_an_unknown_one_is_404(http):
+    """vLLM's reading (OpenAI requires `model`): a body without one, or with null, asks for the served model."""
+    for path, body in (("/v1/chat/completions", {"messages": HELLO}), ("/v1/completions", {"prompt": "x"})):
+        for model in ({}, {"model": None}):
+            response = http.post(path, json={**body, **model, "max_tokens": 2})
+            assert response.status_code == 200 and response.json()["model"] == MODEL, response.text
+    assert_error(chat(http, model=7), 400, "model")
     error = assert_error(chat(http, model="gpt-4"), 404, "model")
     assert "gpt-4" in error["message"] and error["code"] == "model_not_found"
     assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model")

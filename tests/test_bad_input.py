@@ -31,9 +31,9 @@ def test_wrong_types(http):
     assert_openai_error(response, 400)
 
 
-def test_missing_model_field(http):
-    response = http.post("/v1/completions", json={"prompt": "hi"})
-    assert_openai_error(response, 400)
+def test_a_model_that_is_no_string(http):
+    response = http.post("/v1/completions", json={"model": ["m"], "prompt": "hi"})
+    assert assert_openai_error(response, 400)["param"] == "model"
 
 
 def test_unknown_model(http):
