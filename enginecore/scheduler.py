@@ -5,7 +5,9 @@ running sequences first (decodes, then the rest of prompts being prefilled in ch
 waiting queue, the last one cut to what is left of the budget (chunked prefill). While other sequences run or
 wait, one prompt's chunk takes at most `long_prefill_tokens` of a step (vLLM's long-prefill threshold): a long
 prompt took the whole budget step after step, and a one-line chat that came after it waited for its whole prefill
-(40 s behind 8,000 tokens on a 2-core CPU); alone, it takes the whole budget. When the KV pool runs out of
+(40 s behind 8,000 tokens on a 2-core CPU); alone, it takes the whole budget. And while a request waits (with a
+free slot), the prompts already being prefilled leave it one such chunk of the step: four long prompts at
+a quarter each filled every step between them, and the chat behind them waited 47-67 s. When the KV pool runs out of
 blocks the newest, lowest-priority running sequence is preempted: its blocks are freed and it goes back to the
 waiting queue to be recomputed later (prompt and generated tokens alike), so no request is ever lost. Under the
 priority policy a waiting request also preempts a running one of a worse priority when there is no room for it
@@ -127,6 +129,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # A prompt's chunk when others run or wait beside it (it leaves them part of the step); alone, the budget.
         chunk = self.long_prefill_tokens if len(self.running) + self.num_waiting > 1 else budget
+        # What the running prompts' chunks leave to the waiting queue's first: one chunk, when the cap is on and
+        # a waiting request could start (decodes are never held back by it).
+        reserve = chunk if chunk < budget and self.num_waiting and not self.full() else 0
         scheduled: dict[Sequence, int] = {}
         # Decodes (one token) before the rest, each group in priority order.
         order: list[Sequence] = []
@@ -144,6 +149,10 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget, chunk)
+            if n > 1 and n > budget - reserve:  # a prompt's chunk, past what it leaves to a waiting request
+                n = budget - reserve
+                if n <= 0:
+                    continue
             table = seq.block_table
             # Fast path of a decode: its token goes into its last block, which has room and which no other
             # sequence holds. The pool would find nothing to do (no new block, no copy), so it is not asked.

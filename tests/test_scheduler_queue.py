@@ -46,6 +46,28 @@ def _prompt(seq_id: int, tokens: int) -> Sequence:
                     num_prompt_tokens=len(prompt), sampling=SAMPLING, priority=0, arrival=seq_id)
 
 
+def test_long_prompts_being_prefilled_together_leave_a_chunk_to_a_waiting_request():
+    """Each long prompt's chunk is capped, but four of them at a quarter each filled every step, and a chat that
+    came after them waited until one was done (47-67 s behind four prompts of 6,000 tokens on a 2-core CPU). The
+    running prompts now leave one chunk to the waiting queue; without a waiting request they fill the step."""
+    scheduler = Scheduler(KVBlockPool(4096, 16), max_num_seqs=8, max_num_batched_tokens=256, long_prefill_tokens=64)
+    longs = [_prompt(i, 4000) for i in range(4)]
+    for seq in longs:
+        scheduler.add(seq)
+    first = scheduler.schedule().entries
+    assert sorted((s.request_id, n) for s, n in first) == [("p0", 64), ("p1", 64), ("p2", 64), ("p3", 64)]
+    for seq, n in first:
+        seq.num_computed_tokens += n
+    scheduler.add(_prompt(4, 10))
+    entries = scheduler.schedule().entries
+    assert ("p4", 10) in [(s.request_id, n) for s, n in entries]
+    assert sum(n for _, n in entries) <= 256
+    full = Scheduler(KVBlockPool(4096, 16), max_num_seqs=4, max_num_batched_tokens=256, long_prefill_tokens=64)
+    for seq in [_prompt(i, 4000) for i in range(5)]:  # the fifth waits for a slot: nothing is held back for it
+        full.add(seq)
+    assert sum(n for _, n in full.schedule().entries) == 256
+
+
 def test_a_long_prompt_leaves_part_of_each_step_to_the_requests_after_it():
     """Alone, a long prompt's chunk is the whole budget; once another request waits, it takes at most
     long_prefill_tokens and the newcomer starts in the same step. It took every step's budget until its prefill
