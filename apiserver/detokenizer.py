@@ -11,6 +11,8 @@ cost per token.
 Stop strings are matched here, on the text, because a stop string can span tokens. Text that might be the
 beginning of a stop string is held back until it is clear, so a stop string never leaks into the output. A
 token's new text is searched only for the stop strings whose last character it holds (apiserver/stop_strings.py).
+Under `min_tokens` the first tokens' text is not searched (vLLM's rule): a stop string can end the text only from
+the token after the min_tokens-th on, as an EOS or a stop token id can only end it there in the engine.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def generated_text_completes_the_prompt(tokenizer: Tokenizer, prompt_token_ids: 
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tokenizer", "_stream", "_stops", "_hold", "_include_stop", "_unsent", "stop_reason")
+    __slots__ = ("_tokenizer", "_stream", "_stops", "_hold", "_include_stop", "_unsent", "_unchecked", "stop_reason")
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
         stop: StopStrings = NO_STOP_STRINGS,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         self._tokenizer = tokenizer
         context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if prompt_token_ids else None
@@ -57,11 +60,14 @@ class IncrementalDetokenizer:
         # token. A stop string cannot begin in text already handed out, because the last `_hold` characters
         # are always held back.
         self._unsent = ""
+        self._unchecked = min_tokens if stop else 0  # tokens still to come whose text no stop string may end in
         self.stop_reason: str | None = None  # the stop string that ended the text
 
     def add_tokens(self, token_ids: list[int]) -> int:
         """Decode `token_ids` onto the text; returns how many were used: fewer than all when a stop string
         ended the text (then `stop_reason` is set and later tokens are to be ignored)."""
+        if self._unchecked:
+            return self._add_unchecked(token_ids)
         step = self._stream.step
         tokenizer = self._tokenizer
         stops = self._stops
@@ -73,6 +79,15 @@ class IncrementalDetokenizer:
                 if stops is not None and self._find_stop(stops, start):
                     return used
         return len(token_ids)
+
+    def _add_unchecked(self, token_ids: list[int]) -> int:
+        """add_tokens while the first min_tokens tokens come: their text is not searched for stop strings."""
+        unchecked = token_ids[:self._unchecked]
+        self._unchecked -= len(unchecked)
+        for token_id in unchecked:
+            self._unsent += self._stream.step(self._tokenizer, token_id) or ""
+        rest = token_ids[len(unchecked):]
+        return len(unchecked) + (self.add_tokens(rest) if rest else 0)
 
     def _find_stop(self, stops: StopStrings, new_text_start: int) -> bool:
         text = self._unsent

@@ -104,7 +104,8 @@ class Generation:
             Choice(
                 i * n + j,
                 i,
-                IncrementalDetokenizer(tokenizer, prompt, stop, skip_special_tokens, include_stop_str_in_output),
+                IncrementalDetokenizer(tokenizer, prompt, stop, skip_special_tokens, include_stop_str_in_output,
+                                       sampling.min_tokens),
                 want_logprobs,
             )
             for i, prompt in enumerate(prompts)

@@ -29,6 +29,7 @@ from enginecore.sequence import Sequence
 from enginecore.structured_output import TokenMask
 
 MAX_LOGPROBS = 20
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -167,7 +168,11 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 seen = to_device(seq.token_ids, logits.device).unique()
                 row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                # A penalty near 0 (the API takes any above 0) overflowed a positive logit to inf, and the row's
+                # infinities to NaN probabilities: a token of a page of garbage. At most float32's largest, such
+                # tokens share the top.
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty,
+                                              row * p.repetition_penalty).clamp_(max=FLOAT32_MAX)
             if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
                 out = to_device(seq.output_token_ids, logits.device)
                 counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)

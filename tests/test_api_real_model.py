@@ -37,6 +37,24 @@ def test_stop_string_cuts_before_paris(client, model):
     assert reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_an_answer_only_after_min_tokens(client, model, stream):
+    """vLLM's rule: stop strings are looked for from the token after the min_tokens-th on, as EOS and stop token
+    ids are. `stop: [" "]` with `min_tokens: 8` ended the answer at its first token."""
+    args = dict(model=model, prompt="The quick brown fox jumps over the lazy dog and", temperature=0, max_tokens=16,
+                stop=[" "], extra_body={"min_tokens": 8})
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        used = chunks[-1].usage.completion_tokens
+    else:
+        reply = client.completions.create(**args)
+        text, finish, used = reply.choices[0].text, reply.choices[0].finish_reason, reply.usage.completion_tokens
+    assert used >= 8 and finish == "stop" and text.count(" ") >= 3, (text, finish, used)
+    assert not text.endswith(" ")  # the stop string that did end it is not shown
+
+
 ANSWER = [{"role": "user", "content": "What is the capital of France? One short sentence."}]
 
 

@@ -104,6 +104,18 @@ def test_tokens_after_a_stop_are_not_counted(renderer):
     assert detok.add_tokens(ids) == 2  # "one", " two": the rest is ignored
 
 
+def test_stop_strings_are_looked_for_only_after_min_tokens(renderer):
+    ids = renderer.encode("one two three two four", add_special_tokens=False)  # one, two, three, two, four
+    assert len(ids) == 5
+    for min_tokens, used, text in ((0, 2, "one"), (1, 2, "one"), (2, 4, "one two three"), (3, 4, "one two three"),
+                                   (4, 5, "one two three two four")):
+        detok = IncrementalDetokenizer(renderer.tokenizer, [1], stop=StopStrings([" two"]), min_tokens=min_tokens)
+        got = sum(detok.add_tokens(ids[i:i + 2]) for i in range(0, 5, 2) if detok.stop_reason is None)
+        assert (got, detok.take_delta(final=True)) == (used, text), min_tokens
+    straddling = IncrementalDetokenizer(renderer.tokenizer, [1], stop=StopStrings(["e two"]), min_tokens=1)
+    assert straddling.add_tokens(ids) == 2 and straddling.take_delta(final=True) == "on"  # ends in token 2
+
+
 def test_segment_cache_encodes_exactly_as_the_tokenizer(renderer):
     rng = random.Random(0)
     alphabet = list("ab é🥐<|>_\n ") + ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "system", "user"]

@@ -97,6 +97,18 @@ def test_penalties_change_a_repetitive_output(engine, prompts):
         assert out != plain, params
 
 
+def test_a_repetition_penalty_near_zero_repeats_rather_than_writing_garbage(engine, prompts):
+    """Any penalty above 0 is taken (vLLM's range): 1e-39 divided a positive logit past float32 (inf), and a row of
+    infinities sampled NaN probabilities, a page of one junk token. Near 0 it favours the prompt's tokens, as 1e-30
+    does without overflowing: both must pick them alike."""
+    prompt = prompts[4]
+    outs = [engine.generate([greedy_request(f"r{i}", prompt, 12, repetition_penalty=penalty)])[(f"r{i}", 0)]
+            for i, penalty in enumerate((1e-30, 1e-39, 5e-324))]
+    assert all(set(out) <= set(prompt) for out in outs), outs
+    sampled = engine.generate([_sampled("r3", prompt, temperature=1.0, seed=3, repetition_penalty=1e-39)])[("r3", 0)]
+    assert set(sampled) <= set(prompt), sampled
+
+
 def test_abort_frees_the_blocks(engine, prompts):
     for i, p in enumerate(prompts):
         engine.add_request(greedy_request(f"a{i}", p, 200, ignore_eos=True))
