@@ -60,7 +60,7 @@ class GenerationServing:
     def priority(request: Request, body_priority: int) -> int:
         """X-Priority (or vLLM's X-Vllm-Priority) overrides the body's `priority` (apiserver/priority_header.py)."""
         try:
-            priority = header_priority(request.headers.get)
+            priority = header_priority(lambda name: _one_header_value(request, name))  # (twice, differing: a 400)
         except BadPriority as exc:
             raise InvalidRequest(str(exc), param=exc.name) from None
         return body_priority if priority is None else priority

@@ -101,6 +101,17 @@ def test_a_priority_header_must_be_a_64_bit_integer(http, header):
         assert chat(http, headers={header: value}).status_code == 200
 
 
+def test_priority_headers_that_disagree_are_refused(http):
+    """Twice with different values, or X-Priority and X-Vllm-Priority apart: which one a proxy or this server would
+    honour is anybody's guess, so neither is (as for X-data-parallel-rank). Agreeing copies pass."""
+    for headers, param in ((httpx.Headers([("X-Priority", "1"), ("X-Priority", "-5")]), "x-priority"),
+                           ({"X-Priority": "1", "X-Vllm-Priority": "2"}, "x-vllm-priority")):
+        response = chat(http, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    for headers in (httpx.Headers([("X-Priority", "3"), ("X-Priority", "3")]), {"X-Priority": "3", "X-Vllm-Priority": "+3"}):
+        assert chat(http, headers=headers).status_code == 200
+
+
 def test_refused_integers_leak_no_admission(group, http):
     # Each of these was a 500 that kept its admitted place: with a limit of 2, the group refused everyone.
     for _ in range(5):
