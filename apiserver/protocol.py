@@ -212,6 +212,15 @@ class TextPart(_MessagePart):
     type: Literal["text"]
     text: StrictStr
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        """An image, audio or file part says why it is refused (the Responses API's parts say it too)."""
+        if value != "text":
+            raise PydanticCustomError("text_only", "a content part must be of type text (this server reads "
+                                      "text only)")
+        return value
+
 
 class ChatMessage(_MessagePart):
     role: Literal["system", "developer", "user", "assistant", "tool"]

@@ -153,6 +153,12 @@ def test_vllms_own_fields_pass_at_rest_and_are_refused_by_name_otherwise(http):
                  400, "add_special_tokens")
 
 
+def test_an_image_or_audio_part_says_the_server_reads_text_only(http):
+    for part in ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}, {"type": "file"}):
+        error = assert_error(chat(http, messages=[{"role": "user", "content": [part]}]), 400, "messages.0.content.0.type")
+        assert "text only" in error["message"], error
+
+
 def test_a_body_after_a_utf8_byte_order_mark_is_read(http):
     """PowerShell 5's `Out-File -Encoding utf8` writes one; Python's json (and so vLLM) reads past it."""
     body = b"\xef\xbb\xbf" + json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 1}).encode()
