@@ -193,7 +193,7 @@ class EngineCore(EngineBase):
         self.scheduler.finish(seq)
 
     def _generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(generator_seed(seed, self.device))
 
     def _constrain(self, seq: Sequence) -> str | None:
         return self.structured.start(seq)
@@ -341,3 +341,13 @@ class EngineCore(EngineBase):
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """A request's 64-bit seed (the API takes -2**63 to 2**63-1) as its generator's seed. torch's CPU generator
+    keeps the low 32 bits only, so s and s + 2**32 drew alike, and -1 as 2**64-1: there a seed outside 0 to
+    2**32-1 is hashed to 32 bits (Fibonacci hashing: collisions no longer follow a pattern), and one inside is
+    kept, so the draws of the seeds clients use most stay what they were. CUDA's generator takes all 64 bits."""
+    if device.type != "cpu" or 0 <= seed < 2**32:
+        return seed
+    return ((seed % 2**64) * 0x9E3779B97F4A7C15 % 2**64) >> 32

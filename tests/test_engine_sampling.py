@@ -30,6 +30,17 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine, prompts):
     assert other_seed != alone
 
 
+def test_seeds_that_share_their_low_32_bits_draw_differently(engine, prompts):
+    """torch's CPU generator keeps a seed's low 32 bits: 5 and 5 + 2**32 drew the same tokens, and -1 those of
+    2**32 - 1. Each still draws the same every time."""
+    def draw(seed):
+        return engine.generate([_sampled(f"d{seed}", prompts[1], temperature=1.0, seed=seed, ignore_eos=True,
+                                         max_tokens=16)])[(f"d{seed}", 0)]
+    for a, b in ((5, 5 + 2**32), (-1, 2**32 - 1), (2**63 - 1, 2**32 - 1)):
+        assert draw(a) != draw(b), (a, b)
+    assert draw(5 + 2**32) == draw(5 + 2**32)
+
+
 def test_n_choices_differ_and_share_the_prompt(engine, prompts):
     prompt = prompts[4][::-1]  # 228 tokens (14 full blocks) no other test sends: none of it is in the prefix cache
     prompt_tokens_before = engine.step_counts.prompt_tokens
