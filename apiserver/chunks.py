@@ -19,6 +19,45 @@ def chunk_head(response_id: str, object_name: bytes, created: int, model_name: s
     ))
 
 
+class ContinuousUsage:
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk also carries the usage so
+    far, the prompt and every choice's tokens up to that chunk (guidellm and aiperf ask for it to time tokens).
+    Wraps an endpoint's writer; the usage goes at the end of each of its events (`]}` then the blank line: JSON
+    escapes every newline inside a string, so that ending is each event's own)."""
+
+    def __init__(self, writer, generation: Generation, config: ServeConfig):
+        self._writer = writer
+        self._generation = generation
+        self._config = config
+
+    def _with_usage(self, events: bytes) -> bytes:
+        if not events:
+            return events
+        return events.replace(b"]}\n\n", b'],"usage":' + orjson.dumps(usage(self._generation, self._config)) + b"}\n\n")
+
+    def first(self, generation: Generation) -> bytes:
+        return self._with_usage(self._writer.first(generation))
+
+    def changes(self, deltas: list[Delta]) -> bytes:
+        return self._with_usage(self._writer.changes(deltas))
+
+    def usage(self, generation: Generation) -> bytes:
+        return self._writer.usage(generation)
+
+    def end(self, generation: Generation) -> bytes:
+        return self._writer.end(generation)
+
+    def error(self, error) -> bytes:
+        return self._writer.error(error)
+
+
+def with_stream_options(writer, options, generation: Generation, config: ServeConfig):
+    """`writer`, wrapped in ContinuousUsage where the request's stream_options ask for usage in every chunk."""
+    if options is not None and options.include_usage and options.continuous_usage_stats:
+        return ContinuousUsage(writer, generation, config)
+    return writer
+
+
 class ChunkWriterBase:
     """Subclasses give `event(index, text, logprobs_json, finish_fields)` and `logprobs_json(delta)`."""
 

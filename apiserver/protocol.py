@@ -104,15 +104,6 @@ class StreamOptions(_Strict):
 
     stream_options_nulls = nulls_mean_default("include_usage", "continuous_usage_stats")
 
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _usage_once(cls, value: bool) -> bool:
-        """vLLM's extension, usage in every chunk, is not made here: refused rather than silently ignored."""
-        if value:
-            raise PydanticCustomError("unsupported", "not supported by this server: `include_usage` sends the usage "
-                                      "once, in the last chunk")
-        return value
-
 
 class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from apiserver.chat_messages import content_text
 from apiserver.chat_output import OutputShape, StreamedMessage, message
-from apiserver.chunks import ChunkWriterBase, chunk_head
+from apiserver.chunks import ChunkWriterBase, chunk_head, with_stream_options
 from apiserver.errors import InvalidRequest
 from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter
@@ -59,6 +59,7 @@ class ChatServing(GenerationServing):
             writer = ChatChunkWriter(self, response_id, created, top_n)
         else:
             writer = ShapedChatChunkWriter(self, response_id, created, top_n, shape)
+        writer = with_stream_options(writer, options, generation, self.ctx.config)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, shape),

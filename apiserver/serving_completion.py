@@ -12,7 +12,7 @@ import time
 import orjson
 from starlette.requests import Request
 
-from apiserver.chunks import ChunkWriterBase, chunk_head
+from apiserver.chunks import ChunkWriterBase, chunk_head, with_stream_options
 from apiserver.errors import InvalidRequest
 from apiserver.detokenizer import generated_text_completes_the_prompt
 from apiserver.generation import Delta, Generation
@@ -102,7 +102,8 @@ class CompletionServing(GenerationServing):
         response_id = "cmpl-" + request_id
         created = int(time.time())
         options = req.stream_options
-        writer = CompletionChunkWriter(self, response_id, created, top_n, echoes, echo_logprobs)
+        writer = with_stream_options(CompletionChunkWriter(self, response_id, created, top_n, echoes, echo_logprobs),
+                                     options, generation, self.ctx.config)
         return await self.respond(
             request, generation, req.stream, writer, bool(options and options.include_usage),
             lambda gen, deltas: self.whole_body(gen, deltas, response_id, created, top_n, echoes),

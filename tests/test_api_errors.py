@@ -187,16 +187,33 @@ def test_stream_options_only_with_a_stream(http):
     assert chat(http, max_tokens=1, stream=True, stream_options={"include_usage": True}).status_code == 200
 
 
-def test_usage_in_every_chunk_is_refused_not_ignored(http):
-    """vLLM's `continuous_usage_stats` was accepted and no chunk but the last had usage: a client counting on it
-    read nothing. Refused by name now; false and null are what is done anyway."""
+def _events(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": HELLO}),
+                                        ("/v1/completions", {"prompt": "hello", "echo": True})])
+def test_usage_in_every_chunk_when_asked(http, path, body):
+    """vLLM's `continuous_usage_stats` (with `include_usage`), which guidellm and aiperf send with every stream
+    (refused before: guidellm's every request failed): each chunk carries the usage so far; the last chunk is the
+    whole usage, as without it. Without `include_usage` it asks for nothing, as in vLLM."""
+    body = {"model": MODEL, **body, "max_tokens": 6, "n": 2, "stream": True, "ignore_eos": True}
     asked = {"include_usage": True, "continuous_usage_stats": True}
-    error = assert_error(chat(http, max_tokens=1, stream=True, stream_options=asked), 400,
-                         "stream_options.continuous_usage_stats")
-    assert "not supported" in error["message"]
-    for value in (False, None):
-        options = {"include_usage": True, "continuous_usage_stats": value}
-        assert chat(http, max_tokens=1, stream=True, stream_options=options).status_code == 200
+    events = _events(http, path, {**body, "stream_options": asked})
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    assert chunks and all("usage" in chunk and chunk["choices"] for chunk in chunks), chunks
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert {chunk["usage"]["prompt_tokens"] for chunk in events} == {last["usage"]["prompt_tokens"]}
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in events)
+    for options in ({"continuous_usage_stats": True}, {"include_usage": True, "continuous_usage_stats": None}):
+        events = _events(http, path, {**body, "stream_options": options})
+        assert [chunk for chunk in events if "usage" in chunk] == ([events[-1]] if options.get("include_usage") else [])
 
 
 def test_a_lone_surrogate_escape_is_named(http):
