@@ -215,6 +215,9 @@ def int8_kernel(model: torch.nn.Module) -> dict:
     Measured once per model and process, on the model's product shapes at batch 1, 8 and 32."""
     if model not in _int8:
         kinds = int8_kernels()
+        ours = packed_int8_unavailable_reason()
+        if kinds and ours is not None:  # said where oneDNN's takes its place, as every kernel left out is said
+            log.info("int8 products: our W8A32 kernel is left out: %s", ours)
         if len(kinds) == 1:
             _int8[model] = {"kernel": next(iter(kinds)), "why": ""}
         else:
