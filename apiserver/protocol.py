@@ -35,7 +35,6 @@ VLLM_UNDONE = {
     "use_beam_search": "beam search is not done by this server",
     "length_penalty": "beam search is not done by this server",
     "spaces_between_special_tokens": "special tokens are always decoded with the spaces between them",
-    "truncate_prompt_tokens": "prompts are not truncated by this server: send a shorter one",
     "prompt_logprobs": "send the prompt to /v1/completions with `echo` and `logprobs` for its logprobs",
     "allowed_token_ids": "use `logit_bias` or `structured_outputs`",
     "bad_words": "use `logit_bias`",
@@ -284,7 +283,8 @@ class _SamplingFields(_Strict):
     use_beam_search: Literal[False] | None = None
     length_penalty: Literal[1] | None = None
     spaces_between_special_tokens: Literal[True] | None = None
-    truncate_prompt_tokens: None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's length); apiserver.sampling_params.truncated.
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
     prompt_logprobs: None = None
     allowed_token_ids: None = None
     bad_words: NoValue[list] | None = None

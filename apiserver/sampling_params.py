@@ -17,6 +17,21 @@ _DEFAULTED = {
 }
 
 
+def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (None: all of it; -1: the model's length).
+    0 is refused: Python's [-0:] would keep everything, and a prompt of nothing cannot run."""
+    if keep is None:
+        return prompt
+    if keep == 0:
+        raise InvalidRequest("`truncate_prompt_tokens` must be at least 1 (or -1: the model's maximum length).",
+                             param="truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise InvalidRequest(f"`truncate_prompt_tokens` ({keep}) is larger than this model's maximum context length "
+                             f"({max_model_len}).", param="truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep
+    return prompt[-keep:] if len(prompt) > keep else prompt
+
+
 def max_tokens_for(prompt_len: int, requested: int | None, max_model_len: int, what: str = "messages") -> int:
     """The completion budget: `requested`, or all the room the context has left. 400 when it does not fit."""
     if prompt_len >= max_model_len:

@@ -22,7 +22,9 @@ from apiserver.logprobs import LogprobFormatter
 from apiserver.prompt_offload import render_chat
 from apiserver.protocol import ChatCompletionRequest
 from apiserver.reasoning import START, ReasoningParser
-from apiserver.sampling_params import check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import (
+    check_whole_logprobs, max_tokens_for, sampling_params, stop_strings, truncated,
+)
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar, schema_grammar
 from apiserver.tool_choice import tool_plan
@@ -89,6 +91,7 @@ class ChatServing(GenerationServing):
             template_kwargs(req, ctx.renderer),
             tools=tools.template_tools,
         )
+        prompt = truncated(prompt, req.truncate_prompt_tokens, ctx.model.max_model_len)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = max_tokens_for(len(prompt), requested, ctx.model.max_model_len, "messages")
         continued = content_text(req.messages[-1]) if req.continue_final_message else None

@@ -19,7 +19,9 @@ from apiserver.generation import Delta, Generation
 from apiserver.logprobs import LogprobFormatter, TextOffsets
 from apiserver.prompt_offload import decode, encode
 from apiserver.protocol import CompletionRequest
-from apiserver.sampling_params import check_echo, check_whole_logprobs, max_tokens_for, sampling_params, stop_strings
+from apiserver.sampling_params import (
+    check_echo, check_whole_logprobs, max_tokens_for, sampling_params, stop_strings, truncated,
+)
 from apiserver.serving import GenerationServing
 from apiserver.structured_outputs import checked, requested_grammar
 from apiserver.usage import usage
@@ -72,6 +74,10 @@ class CompletionServing(GenerationServing):
             grammar = await checked(grammar, grammar_param, ctx.grammars)
         prompts, texts = await self.prompts(req.prompt)
         max_model_len = ctx.model.max_model_len
+        if req.truncate_prompt_tokens is not None:  # an echo then shows the tokens kept, as their text
+            kept = [truncated(p, req.truncate_prompt_tokens, max_model_len) for p in prompts]
+            texts = [t if len(k) == len(p) else None for t, k, p in zip(texts, kept, prompts)]
+            prompts = kept
         # OpenAI's default of 16 is a budget the client did not ask for: a long prompt shrinks it to the room it
         # leaves (as vLLM's does) rather than being refused for tokens nobody requested.
         implicit = "max_tokens" not in req.model_fields_set

@@ -130,7 +130,7 @@ VLLM_FIELDS_AT_REST = {"use_beam_search": False, "length_penalty": 1.0, "spaces_
 VLLM_CHAT_FIELDS_AT_REST = {"echo": False, "add_special_tokens": False, "documents": None, "chat_template": None,
                             "mm_processor_kwargs": {}}
 VLLM_FIELDS_ASKING = [("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-                      ("truncate_prompt_tokens", 8), ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]),
+                      ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]),
                       ("bad_words", ["x"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
                       ("cache_salt", "s"), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
                       ("echo", True), ("add_special_tokens", True), ("documents", [{"text": "x"}]),
@@ -157,6 +157,26 @@ def test_an_image_or_audio_part_says_the_server_reads_text_only(http):
     for part in ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}, {"type": "file"}):
         error = assert_error(chat(http, messages=[{"role": "user", "content": [part]}]), 400, "messages.0.content.0.type")
         assert "text only" in error["message"], error
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http):
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last k tokens run (-1: up to the model's length), so a
+    client can send a history longer than the context; an echo shows the tokens kept. 0 and more than the model's
+    length are 400s naming it."""
+    ids = list(range(100, 700))  # 600 tokens: past this group's --max-model-len 512
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}).status_code == 400
+    kept = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True,
+                                              "truncate_prompt_tokens": 10})
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 10, kept.text
+    alone = http.post("/v1/completions", json={"model": MODEL, "prompt": ids[-10:], "max_tokens": 0, "echo": True})
+    assert kept.json()["choices"][0]["text"].startswith(alone.json()["choices"][0]["text"])
+    whole = http.post("/v1/completions", json={"model": MODEL, "prompt": ids[:20], "max_tokens": 1,
+                                               "truncate_prompt_tokens": -1})
+    assert whole.json()["usage"]["prompt_tokens"] == 20
+    chat_kept = chat(http, max_tokens=1, truncate_prompt_tokens=3)
+    assert chat_kept.status_code == 200 and chat_kept.json()["usage"]["prompt_tokens"] == 3, chat_kept.text
+    for value in (0, 513, -2, "5"):
+        assert_error(chat(http, max_tokens=1, truncate_prompt_tokens=value), 400, "truncate_prompt_tokens")
 
 
 def test_a_body_after_a_utf8_byte_order_mark_is_read(http):
