@@ -28,35 +28,21 @@ UNSUPPORTED_FIELDS = (
 )
 
 
-# vLLM's extensions accepted only at the values that ask for nothing (see _SamplingFields), and why any other is
-# refused.
-_STRUCTURED = "vLLM's old name for structured outputs: send `structured_outputs` (`json`, `regex`, `choice`, `grammar`)"
-VLLM_UNDONE = {
-    "use_beam_search": "beam search is not done by this server",
-    "length_penalty": "beam search is not done by this server",
-    "spaces_between_special_tokens": "special tokens are always decoded with the spaces between them",
-    "prompt_logprobs": "send the prompt to /v1/completions with `echo` and `logprobs` for its logprobs",
-    "allowed_token_ids": "use `logit_bias` or `structured_outputs`",
-    "bad_words": "use `logit_bias`",
-    "return_tokens_as_token_ids": "not supported by this server",
-    "return_token_ids": "not supported by this server: /tokenize gives a text's token ids",
-    "cache_salt": "the prefix cache is shared by all requests of this server",
-    "logits_processors": "not supported by this server",
-    "kv_transfer_params": "not supported by this server",
-    "vllm_xargs": "not supported by this server",
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "echo": "a chat's echo is not supported by this server (/v1/completions' is)",
-    "add_special_tokens": "only this endpoint's default is supported",
-    "documents": "not supported by this server",
-    "chat_template": "a request's own chat template is not supported by this server",
-    "mm_processor_kwargs": "this server reads text only",
-    "prompt_embeds": "this server reads text and token ids only",
-}
+class Undone:
+    """Marks a vLLM field this server does not do, declared to accept only the values that ask for nothing: any
+    other value is refused as "Unsupported value for `field`: <reason>" (apiserver.validation reads the mark from
+    the field of the request's own model, so a completion's `echo` keeps its own errors)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+_NOT_DONE = Undone("not supported by this server")
+_BEAM = Undone("beam search is not done by this server")
+_STRUCTURED = Undone("vLLM's old name for structured outputs: send `structured_outputs` (`json`, `regex`, `choice`, "
+                     "`grammar`)")
 
 
 # An unsupported field's value that asks for nothing: an empty object or list.
@@ -279,28 +265,31 @@ class _SamplingFields(_Strict):
 
     # vLLM's own extensions that this server does not do, accepted at the values that ask for nothing (their
     # defaults, null, empty): clients built on vLLM's request classes, and proxies that forward every field, send
-    # them so. Any other value is refused with the field's name and VLLM_UNDONE's reason.
-    use_beam_search: Literal[False] | None = None
-    length_penalty: Literal[1] | None = None
-    spaces_between_special_tokens: Literal[True] | None = None
+    # them so. Any other value is refused with the field's name and its Undone reason.
+    use_beam_search: Annotated[Literal[False] | None, _BEAM] = None
+    length_penalty: Annotated[Literal[1] | None, _BEAM] = None
+    spaces_between_special_tokens: Annotated[Literal[True] | None, Undone(
+        "special tokens are always decoded with the spaces between them")] = None
     # vLLM's: keep only the prompt's last k tokens (-1: the model's length); apiserver.sampling_params.truncated.
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
-    prompt_logprobs: None = None
-    allowed_token_ids: None = None
-    bad_words: NoValue[list] | None = None
-    return_tokens_as_token_ids: Literal[False] | None = None
-    return_token_ids: Literal[False] | None = None
-    cache_salt: None = None
-    logits_processors: None = None
-    kv_transfer_params: NoValue[dict] | None = None
-    vllm_xargs: NoValue[dict] | None = None
+    prompt_logprobs: Annotated[None, Undone(
+        "send the prompt to /v1/completions with `echo` and `logprobs` for its logprobs")] = None
+    allowed_token_ids: Annotated[None, Undone("use `logit_bias` or `structured_outputs`")] = None
+    bad_words: Annotated[NoValue[list] | None, Undone("use `logit_bias`")] = None
+    return_tokens_as_token_ids: Annotated[Literal[False] | None, _NOT_DONE] = None
+    return_token_ids: Annotated[Literal[False] | None, Undone(
+        "not supported by this server: /tokenize gives a text's token ids")] = None
+    cache_salt: Annotated[None, Undone("the prefix cache is shared by all requests of this server")] = None
+    logits_processors: Annotated[None, _NOT_DONE] = None
+    kv_transfer_params: Annotated[NoValue[dict] | None, _NOT_DONE] = None
+    vllm_xargs: Annotated[NoValue[dict] | None, _NOT_DONE] = None
     # vLLM's names before structured_outputs (gone from vLLM since v0.12): refused with a pointer to it.
-    guided_json: None = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
-    guided_decoding_backend: None = None
-    guided_whitespace_pattern: None = None
+    guided_json: Annotated[None, _STRUCTURED] = None
+    guided_regex: Annotated[None, _STRUCTURED] = None
+    guided_choice: Annotated[None, _STRUCTURED] = None
+    guided_grammar: Annotated[None, _STRUCTURED] = None
+    guided_decoding_backend: Annotated[None, _STRUCTURED] = None
+    guided_whitespace_pattern: Annotated[None, _STRUCTURED] = None
 
     sampling_nulls = nulls_mean_default("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                                         "skip_special_tokens", "priority")
@@ -347,11 +336,12 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
 
     # vLLM's chat extensions not done here (see _SamplingFields): at their defaults only.
-    echo: Literal[False] | None = None
-    add_special_tokens: Literal[False] | None = None
-    documents: NoValue[list] | None = None
-    chat_template: None = None
-    mm_processor_kwargs: NoValue[dict] | None = None
+    echo: Annotated[Literal[False] | None, Undone(
+        "a chat's echo is not supported by this server (/v1/completions' is)")] = None
+    add_special_tokens: Annotated[Literal[False] | None, Undone("only this endpoint's default is supported")] = None
+    documents: Annotated[NoValue[list] | None, _NOT_DONE] = None
+    chat_template: Annotated[None, Undone("a request's own chat template is not supported by this server")] = None
+    mm_processor_kwargs: Annotated[NoValue[dict] | None, Undone("this server reads text only")] = None
 
     chat_nulls = nulls_mean_default("logprobs", "add_generation_prompt", "continue_final_message")
 
@@ -386,8 +376,9 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: None = None
     best_of: Literal[1] | None = None  # one candidate per choice: what is done anyway
-    add_special_tokens: Literal[True] | None = None  # vLLM's, at its default for completions (see _SamplingFields)
-    prompt_embeds: None = None
+    # vLLM's, at its default for completions (see _SamplingFields)
+    add_special_tokens: Annotated[Literal[True] | None, Undone("only this endpoint's default is supported")] = None
+    prompt_embeds: Annotated[None, Undone("this server reads text and token ids only")] = None
 
     completion_nulls = nulls_mean_default("echo")
 

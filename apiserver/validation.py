@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from pydantic import BaseModel, ValidationError
 
 from apiserver.errors import ApiError, InvalidRequest
-from apiserver.protocol import UNSUPPORTED_FIELDS, VLLM_UNDONE
+from apiserver.protocol import UNSUPPORTED_FIELDS, Undone
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -38,7 +38,7 @@ def parse_body(model: type[BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _invalid_request(exc) from None
+        raise _invalid_request(exc, model) from None
 
 
 # Bodies from this size on are parsed one at a time, each in a pass of the event loop of its own: an 8 MB body
@@ -76,7 +76,7 @@ async def parse_request_body(model: type[BaseModel], body: bytes):
         return parse_body(model, body)
 
 
-def _invalid_request(exc: ValidationError) -> InvalidRequest:
+def _invalid_request(exc: ValidationError, model: type[BaseModel]) -> InvalidRequest:
     error = max(exc.errors(include_url=False, include_input=False), key=_specificity)
     kind = error["type"]
     if kind == "json_invalid":
@@ -98,9 +98,16 @@ def _invalid_request(exc: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"Missing required field: `{path}`.", param=path)
     if field in UNSUPPORTED_FIELDS and path == field:
         return InvalidRequest(f"Unsupported field: `{field}` is not supported by this server.", param=field)
-    if field in VLLM_UNDONE and path == field:
-        return InvalidRequest(f"Unsupported value for `{field}`: {VLLM_UNDONE[field]}.", param=field)
+    undone = _undone(model, field) if path == field else None
+    if undone is not None:
+        return InvalidRequest(f"Unsupported value for `{field}`: {undone.reason}.", param=field)
     return InvalidRequest(f"Invalid value for `{path}`: {error['msg']}.", param=path)
+
+
+def _undone(model: type[BaseModel], field: str | None) -> Undone | None:
+    """The Undone mark of `model`'s field `field` (a vLLM field it takes only at rest), if it has one."""
+    info = model.model_fields.get(field) if field else None
+    return next((mark for mark in info.metadata if isinstance(mark, Undone)), None) if info is not None else None
 
 
 def _specificity(error: dict) -> tuple[int, bool]:

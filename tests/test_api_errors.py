@@ -151,6 +151,9 @@ def test_vllms_own_fields_pass_at_rest_and_are_refused_by_name_otherwise(http):
             assert "`structured_outputs`" in error["message"]
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "add_special_tokens": False}),
                  400, "add_special_tokens")
+    # A completion's own `echo` keeps its own error (the chat's reason was given for it).
+    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400, "echo")
+    assert "chat" not in error["message"], error
 
 
 def test_an_image_or_audio_part_says_the_server_reads_text_only(http):
