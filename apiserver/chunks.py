@@ -21,7 +21,8 @@ def chunk_head(response_id: str, object_name: bytes, created: int, model_name: s
 
 class ContinuousUsage:
     """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk also carries the usage so
-    far, the prompt and every choice's tokens up to that chunk (guidellm and aiperf ask for it to time tokens).
+    far, the prompt and every choice's tokens as the chunk is written (the events of one write, several choices'
+    maybe, carry the same: the usage after all of them); guidellm and aiperf ask for it to time tokens.
     Wraps an endpoint's writer; the usage goes at the end of each of its events (`]}` then the blank line: JSON
     escapes every newline inside a string, so that ending is each event's own)."""
 

@@ -176,6 +176,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http):
     whole = http.post("/v1/completions", json={"model": MODEL, "prompt": ids[:20], "max_tokens": 1,
                                                "truncate_prompt_tokens": -1})
     assert whole.json()["usage"]["prompt_tokens"] == 20
+    batch = http.post("/v1/completions", json={"model": MODEL, "prompt": [ids, ids[:3]], "max_tokens": 1,
+                                               "truncate_prompt_tokens": 5})
+    assert batch.json()["usage"]["prompt_tokens"] == 5 + 3, batch.text  # each prompt alike; a short one whole
     chat_kept = chat(http, max_tokens=1, truncate_prompt_tokens=3)
     assert chat_kept.status_code == 200 and chat_kept.json()["usage"]["prompt_tokens"] == 3, chat_kept.text
     for value in (0, 513, -2, "5"):
